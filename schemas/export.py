@@ -1,0 +1,172 @@
+"""Generate the published contract files from the structs: JSON Schemas and AsyncAPI 3.0.
+
+``render()`` returns {relative path: text}; ``write(dir)`` writes them; ``stale(dir)`` lists the
+files whose committed text differs from what the structs generate (used by
+``kvpush schemas export --check`` and a test). Output is deterministic (sorted keys).
+
+Threading model: none (pure functions plus file writes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import (
+    ALL_MESSAGES,
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    BlocksAnnounced,
+    KvFailed,
+    KvPushed,
+    KvReady,
+    RequestEvent,
+    TokenChunk,
+    WorkerHeartbeat,
+)
+
+PACKAGE_DIR: Final = Path(__file__).resolve().parent
+
+# channel id -> (address with parameters, parameter descriptions, messages, description)
+_CHANNELS: Final[dict[str, tuple[str, dict[str, str], tuple[type, ...], str]]] = {
+    "request": (
+        f"{subjects.ROOT}.req.{{prefill}}.{{decode}}",
+        {"prefill": "prefill worker id", "decode": "decode worker id"},
+        (RequestEvent,),
+        "One publish reaches the prefill worker (req.<P>.*) and the decode worker (req.*.<D>).",
+    ),
+    "blocks": (
+        f"{subjects.ROOT}.blocks.{{prefill}}",
+        {"prefill": "prefill worker id"},
+        (BlocksAnnounced,),
+        "Decode announces the blocks prefill must WRITE into (push mode).",
+    ),
+    "kvReady": (
+        f"{subjects.ROOT}.kv.ready.{{decode}}",
+        {"decode": "decode worker id"},
+        (KvReady,),
+        "Prefill announces its blocks for decode to READ (pull mode).",
+    ),
+    "kvDone": (
+        f"{subjects.ROOT}.kv.done.{{decode}}",
+        {"decode": "decode worker id"},
+        (KvPushed,),
+        "Prefill finished pushing a transfer (observers, bookkeeping).",
+    ),
+    "kvFailed": (
+        f"{subjects.ROOT}.kv.failed.{{decode}}",
+        {"decode": "decode worker id"},
+        (KvFailed,),
+        "A transfer failed: decode falls back to local prefill.",
+    ),
+    "tokens": (
+        f"{subjects.ROOT}.tokens.{{gateway}}",
+        {"gateway": "gateway id"},
+        (TokenChunk,),
+        "Decode streams generated tokens to the gateway that owns the request.",
+    ),
+    "abort": (
+        f"{subjects.ROOT}.abort.{{worker}}",
+        {"worker": "worker id"},
+        (Abort, AbortAck),
+        "Aborts (gateway -> workers) and abort acknowledgements (prefill -> decode).",
+    ),
+    "heartbeat": (
+        f"{subjects.ROOT}.heartbeat.{{role}}.{{worker}}",
+        {"role": "prefill or decode", "worker": "worker id"},
+        (WorkerHeartbeat,),
+        "Worker liveness, load and free blocks; the gateway routes on these.",
+    ),
+}
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def render() -> dict[str, str]:
+    """Every generated file, keyed by path relative to the schemas package."""
+    files: dict[str, str] = {}
+    for message in ALL_MESSAGES:
+        schema = msgspec.json.schema(message)
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"urn:kvpush:v{PROTOCOL_VERSION}:{message.__name__}"
+        files[f"json/{message.__name__}.json"] = _dump(schema)
+    files["asyncapi.json"] = _dump(_asyncapi())
+    return files
+
+
+def _asyncapi() -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(
+        ALL_MESSAGES, ref_template="#/components/schemas/{name}"
+    )
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    for channel_id, (address, params, messages, description) in _CHANNELS.items():
+        channels[channel_id] = {
+            "address": address,
+            "description": description,
+            "parameters": {name: {"description": text} for name, text in params.items()},
+            "messages": {
+                m.__name__: {"$ref": f"#/components/messages/{m.__name__}"} for m in messages
+            },
+        }
+        operations[f"publish_{channel_id}"] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{channel_id}"},
+        }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "kvpush bus contract",
+            "version": f"{PROTOCOL_VERSION}.0.0",
+            "description": (
+                "Subjects and messages of kvpush (prefill pushes KV into blocks decode announced). "
+                "JSON payloads; each carries a 'type' tag. Trace context travels in the W3C "
+                "'traceparent' NATS header."
+            ),
+        },
+        "defaultContentType": "application/json",
+        "channels": channels,
+        "operations": operations,
+        "components": {
+            "schemas": components,
+            "messages": {
+                m.__name__: {
+                    "name": m.__name__,
+                    "summary": (m.__doc__ or "").strip().splitlines()[0],
+                    "payload": {"$ref": f"#/components/schemas/{m.__name__}"},
+                    "headers": {
+                        "type": "object",
+                        "properties": {"traceparent": {"type": "string"}},
+                    },
+                }
+                for m in ALL_MESSAGES
+            },
+        },
+    }
+
+
+def write(out_dir: Path = PACKAGE_DIR) -> list[Path]:
+    written = []
+    for rel, text in render().items():
+        path = out_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def stale(out_dir: Path = PACKAGE_DIR) -> list[str]:
+    """Relative paths whose file is missing or differs from what the structs generate."""
+    result = []
+    for rel, text in render().items():
+        path = out_dir / rel
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            result.append(rel)
+    return result

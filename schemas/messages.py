@@ -1,0 +1,259 @@
+"""Every kvpush v1 bus message as a tagged ``msgspec.Struct``.
+
+This module owns the *shape* of the public bus contract (DESIGN §3): field names, types and
+bounds. Integrators subscribe to these subjects, so a change here is a protocol change: bump
+``PROTOCOL_VERSION`` and record why in ``PROTOCOL_HISTORY``.
+
+Wire format: JSON (UTF-8), one object per NATS message, with a ``type`` tag such as
+``"kvpush.v1.RequestEvent"``. Bounds are enforced on decode by msgspec (C speed); see
+``kvpush.schemas.codec`` for the single decode path.
+
+Threading model: none. Structs are immutable (``frozen=True``) values, safe to share.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta
+
+PROTOCOL_VERSION: Final = 1
+PROTOCOL_HISTORY: Final = {
+    1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat",
+}
+TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
+
+# ---- bounds --------------------------------------------------------------------------------
+MAX_PROMPT_TOKENS: Final = 131_072
+MAX_OUTPUT_TOKENS: Final = 131_072
+MAX_TOKEN_ID: Final = 2**31 - 1
+MAX_BLOCK_ID: Final = 2**31 - 1
+MAX_BLOCK_RUNS: Final = 65_536
+MAX_STOP_STRINGS: Final = 16
+MAX_LAYERS: Final = 1024
+
+WorkerId = Annotated[
+    str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="worker id, one subject token")
+]
+TransferId = Annotated[
+    str, Meta(pattern=r"^[A-Za-z0-9_-]{8,64}$", description="gateway-made transfer id")
+]
+RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+Subject = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=256)]
+Address = Annotated[str, Meta(pattern=r"^tcp://[A-Za-z0-9.:\[\]-]{1,200}:[0-9]{1,5}$")]
+CompatHash = Annotated[str, Meta(pattern=r"^[0-9a-f]{16,64}$")]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
+PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+Count = Annotated[int, Meta(ge=0, le=2**53)]
+Millis = Annotated[float, Meta(ge=0.0, le=1e12)]
+UnixMillis = Annotated[int, Meta(ge=0, le=2**53)]
+ShortText = Annotated[str, Meta(max_length=1024)]
+ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
+BlockRun = Annotated[
+    tuple[
+        Annotated[int, Meta(ge=0, le=MAX_BLOCK_ID)],
+        Annotated[int, Meta(ge=1, le=MAX_BLOCK_ID)],
+    ],
+    Meta(description="run of consecutive block ids: [first_block_id, count]"),
+]
+BlockRuns = Annotated[list[BlockRun], Meta(max_length=MAX_BLOCK_RUNS)]
+
+
+class TransferMode(str, enum.Enum):
+    """How KV reaches the decode worker."""
+
+    PUSH = "push"  # P WRITEs into blocks D announced (kvpush's default)
+    PULL = "pull"  # P announces its blocks when done, D READs them
+    LOCAL = "local"  # no transfer: D prefills itself (short prompts)
+
+
+class WorkerRole(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FailReason(str, enum.Enum):
+    """Why a transfer failed; D falls back to local prefill on any of these."""
+
+    HANDSHAKE = "handshake"  # side channel / NIXL metadata exchange failed
+    INCOMPATIBLE = "incompatible"  # compatibility hash mismatch
+    POST = "post"  # posting a NIXL transfer failed
+    TRANSFER = "transfer"  # a NIXL handle ended in error
+    DEADLINE = "deadline"  # the transfer's deadline passed
+    ABORTED = "aborted"  # aborted by the gateway or a peer
+    PREFILL = "prefill"  # the prefill engine failed the request
+    OVERLOADED = "overloaded"  # no free blocks / queue full
+    SHUTDOWN = "shutdown"  # the worker is draining or stopping
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+def _tag(name: str) -> dict:
+    return {
+        "tag": TAG_PREFIX + name,
+        "tag_field": "type",
+        "frozen": True,
+        "forbid_unknown_fields": False,
+    }
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Sampling parameters, already validated and defaulted by the gateway."""
+
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_OUTPUT_TOKENS)] = 16
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)] = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] = -1
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=MAX_STOP_STRINGS)
+    ] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] = []
+    ignore_eos: bool = False
+
+
+class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):
+    """gateway -> P and D in one publish on ``kvpush.v1.req.<prefill>.<decode>``."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    prefill_id: WorkerId
+    decode_id: WorkerId
+    model: ModelName
+    prompt_token_ids: PromptTokenIds
+    reply_subject: Subject
+    deadline_ms: UnixMillis
+    sampling: SamplingSpec = SamplingSpec()
+    mode: TransferMode = TransferMode.PUSH
+    stream: bool = True
+
+
+class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
+    """D -> P on ``kvpush.v1.blocks.<prefill>``: where to WRITE the prompt's KV.
+
+    ``first_token`` is the number of prompt tokens D already holds (prefix hit, block
+    aligned); ``block_runs`` cover the blocks for tokens ``[first_token, num_tokens)`` only.
+    """
+
+    transfer_id: TransferId
+    decode_id: WorkerId
+    decode_epoch: Count
+    block_runs: BlockRuns
+    first_token: Count
+    num_tokens: Count
+    compat_hash: CompatHash
+    side_channel: Address
+
+
+class KvReady(msgspec.Struct, **_tag("KvReady")):
+    """P -> D on ``kvpush.v1.kv.ready.<decode>`` in pull mode: P's blocks hold the KV; READ them."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+    prefill_epoch: Count
+    block_runs: BlockRuns
+    num_tokens: Count
+    compat_hash: CompatHash
+    side_channel: Address
+
+
+class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Per-layer push timing: [layer index, ms after compute start when posted, ms when done]."""
+
+    layer: Annotated[int, Meta(ge=0, le=MAX_LAYERS)]
+    posted_ms: Millis
+    done_ms: Millis
+
+
+class KvPushed(msgspec.Struct, **_tag("KvPushed")):
+    """P -> D (and observers) on ``kvpush.v1.kv.done.<decode>`` after the last WRITE is done."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+    decode_id: WorkerId
+    bytes: Count
+    descriptors: Count
+    num_tokens: Count
+    push_ms: Millis
+    layers: Annotated[list[LayerTiming], Meta(max_length=MAX_LAYERS)] = []
+
+
+class KvFailed(msgspec.Struct, **_tag("KvFailed")):
+    """P -> D (and observers) on ``kvpush.v1.kv.failed.<decode>``: D must fall back now."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+    decode_id: WorkerId
+    reason: FailReason
+    detail: ShortText = ""
+
+
+class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prompt_tokens: Count
+    completion_tokens: Count
+
+
+class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
+    """D -> gateway on ``kvpush.v1.tokens.<gateway>``; ``seq`` orders chunks of one request."""
+
+    request_id: RequestId
+    transfer_id: TransferId
+    seq: Count
+    token_ids: TokenIds = []
+    text: Annotated[str, Meta(max_length=1_000_000)] = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: ShortText | None = None
+
+
+class Abort(msgspec.Struct, **_tag("Abort")):
+    """gateway -> P and D (or P -> D) on ``kvpush.v1.abort.<worker>``."""
+
+    transfer_id: TransferId
+    sender: WorkerId
+    reason: ShortText = ""
+
+
+class AbortAck(msgspec.Struct, **_tag("AbortAck")):
+    """P -> D on ``kvpush.v1.abort.<decode>``: no WRITE of this transfer is in flight or to come."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+
+
+class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
+    """workers -> gateway and observers on ``kvpush.v1.heartbeat.<role>.<worker>``."""
+
+    worker_id: WorkerId
+    role: WorkerRole
+    epoch: Count
+    model: ModelName
+    side_channel: Address
+    in_flight: Count
+    queue_depth: Count
+    free_blocks: Count
+    total_blocks: Count
+    sent_at_ms: UnixMillis
+    draining: bool = False
+
+
+ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = (
+    RequestEvent,
+    BlocksAnnounced,
+    KvReady,
+    KvPushed,
+    KvFailed,
+    TokenChunk,
+    Abort,
+    AbortAck,
+    WorkerHeartbeat,
+)

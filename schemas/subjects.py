@@ -1,0 +1,140 @@
+"""NATS subject names of the v1 contract (DESIGN §3): builders, filters and the parser.
+
+Every subject starts with ``kvpush.v1.``; worker and gateway ids are single subject tokens
+(``[A-Za-z0-9_-]{1,64}``), checked here so a bad id can never widen a subscription.
+
+Threading model: none (pure functions).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Final, NamedTuple
+
+from kvpush.schemas.messages import PROTOCOL_VERSION, WorkerRole
+
+ROOT: Final = f"kvpush.v{PROTOCOL_VERSION}"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class SubjectKind(str, enum.Enum):
+    """Which message family a subject carries (the second-level name)."""
+
+    REQUEST = "req"
+    BLOCKS = "blocks"
+    KV_READY = "kv.ready"
+    KV_DONE = "kv.done"
+    KV_FAILED = "kv.failed"
+    TOKENS = "tokens"
+    ABORT = "abort"
+    HEARTBEAT = "heartbeat"
+
+
+class ParsedSubject(NamedTuple):
+    kind: SubjectKind
+    tokens: tuple[str, ...]  # the id tokens after the kind, e.g. (prefill, decode)
+
+
+class SubjectError(ValueError):
+    """A subject or id that is not part of the kvpush v1 contract."""
+
+
+def check_id(value: str) -> str:
+    """Return ``value`` if it is a valid worker/gateway id (one subject token), else raise."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise SubjectError(f"invalid id {value!r}: use 1-64 characters of [A-Za-z0-9_-]")
+    return value
+
+
+def request(prefill: str, decode: str) -> str:
+    return f"{ROOT}.req.{check_id(prefill)}.{check_id(decode)}"
+
+
+def requests_for_prefill(prefill: str) -> str:
+    """Filter a prefill worker subscribes to: every request routed to it, any decode peer."""
+    return f"{ROOT}.req.{check_id(prefill)}.*"
+
+
+def requests_for_decode(decode: str) -> str:
+    """Filter a decode worker subscribes to: every request routed to it, any prefill peer."""
+    return f"{ROOT}.req.*.{check_id(decode)}"
+
+
+def blocks(prefill: str) -> str:
+    return f"{ROOT}.blocks.{check_id(prefill)}"
+
+
+def kv_ready(decode: str) -> str:
+    return f"{ROOT}.kv.ready.{check_id(decode)}"
+
+
+def kv_done(decode: str) -> str:
+    return f"{ROOT}.kv.done.{check_id(decode)}"
+
+
+def kv_failed(decode: str) -> str:
+    return f"{ROOT}.kv.failed.{check_id(decode)}"
+
+
+def kv_events(decode: str = "*") -> str:
+    """Filter for every kv.* event of one decode worker (or all with the default)."""
+    token = decode if decode == "*" else check_id(decode)
+    return f"{ROOT}.kv.*.{token}"
+
+
+def tokens(gateway: str) -> str:
+    return f"{ROOT}.tokens.{check_id(gateway)}"
+
+
+def abort(worker: str) -> str:
+    return f"{ROOT}.abort.{check_id(worker)}"
+
+
+def heartbeat(role: WorkerRole, worker: str) -> str:
+    return f"{ROOT}.heartbeat.{WorkerRole(role).value}.{check_id(worker)}"
+
+
+def heartbeats(role: WorkerRole | None = None) -> str:
+    """Filter for heartbeats of one role, or of every role."""
+    return f"{ROOT}.heartbeat.{WorkerRole(role).value if role else '*'}.*"
+
+
+_ARITY: Final = {
+    SubjectKind.REQUEST: 2,
+    SubjectKind.BLOCKS: 1,
+    SubjectKind.KV_READY: 1,
+    SubjectKind.KV_DONE: 1,
+    SubjectKind.KV_FAILED: 1,
+    SubjectKind.TOKENS: 1,
+    SubjectKind.ABORT: 1,
+    SubjectKind.HEARTBEAT: 2,
+}
+
+
+def parse(subject: str) -> ParsedSubject:
+    """Split a concrete v1 subject into its kind and id tokens; raise SubjectError otherwise."""
+    parts = subject.split(".")
+    if len(parts) < 3 or f"{parts[0]}.{parts[1]}" != ROOT:
+        raise SubjectError(f"not a {ROOT} subject: {subject[:120]!r}")
+    rest = parts[2:]
+    if rest[0] == "kv" and len(rest) >= 2:
+        name, ids = f"kv.{rest[1]}", rest[2:]
+    else:
+        name, ids = rest[0], rest[1:]
+    try:
+        kind = SubjectKind(name)
+    except ValueError:
+        raise SubjectError(f"unknown subject kind {name!r} in {subject[:120]!r}") from None
+    if len(ids) != _ARITY[kind]:
+        raise SubjectError(f"subject {subject[:120]!r} needs {_ARITY[kind]} id token(s)")
+    if kind is SubjectKind.HEARTBEAT:
+        try:
+            WorkerRole(ids[0])
+        except ValueError:
+            raise SubjectError(f"unknown role {ids[0]!r} in {subject[:120]!r}") from None
+        check_id(ids[1])
+    else:
+        for token in ids:
+            check_id(token)
+    return ParsedSubject(kind, tuple(ids))

@@ -1,0 +1,242 @@
+"""Typed NATS bus client: connect, publish and subscribe kvpush v1 messages with trace context.
+
+``Bus`` owns one nats-py connection. ``publish`` encodes a struct (``kvpush.schemas.codec``),
+opens a PRODUCER span ``bus.publish`` and injects W3C ``traceparent`` into the NATS headers.
+``subscribe`` decodes each message through the one decode path, opens a CONSUMER span
+``bus.receive`` whose parent is the publisher's context, and calls the handler inside it.
+A malformed message is logged (at most once a second per subject kind) and counted in
+``Bus.stats``; the subscription keeps running. A handler exception is logged and counted too.
+
+Threading model: asyncio only, on the loop that called ``connect``. nats-py delivers each
+subscription's messages one at a time on its own task, so a handler must return quickly (start
+a task for long work). Every subscription has a pending bound (messages and bytes); past it
+nats-py drops messages for that subscription and reports a slow consumer, counted in
+``stats.dropped``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import SlowConsumerError
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+from kvpush.schemas import codec
+from kvpush.schemas.codec import BusMessage, MessageError
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvpush.bus")
+
+Handler = Callable[[str, BusMessage], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """How to reach NATS. ``url`` may list several servers separated by commas."""
+
+    url: str = "nats://127.0.0.1:4222"
+    name: str = "kvpush"
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    connect_timeout_s: float = 5.0  # one TCP/TLS connect attempt
+    initial_connect_timeout_s: float = 15.0  # all attempts of the first connect together
+    reconnect_wait_s: float = 0.5
+    max_reconnect_attempts: int = -1  # -1: keep trying forever
+    pending_msgs_limit: int = 8192
+    pending_bytes_limit: int = 64 * 1024 * 1024
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca_file or self.tls_cert_file):
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca_file)
+        if self.tls_cert_file:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        return context
+
+
+class BusConnectError(ConnectionError):
+    """The first connection to NATS did not succeed in time; says why (last server error)."""
+
+
+@dataclass
+class BusStats:
+    published: int = 0
+    received: int = 0
+    malformed: Counter[str] = field(default_factory=Counter)  # by MessageErrorKind value
+    handler_errors: int = 0
+    dropped: int = 0  # slow-consumer drops reported by nats-py
+    reconnects: int = 0
+
+
+class Bus:
+    """One NATS connection carrying typed kvpush messages; see the module docstring."""
+
+    def __init__(self, client: Client, config: BusConfig) -> None:
+        self._nc = client
+        self.config = config
+        self.stats = BusStats()
+        self._last_warning: dict[str, float] = {}
+
+    @classmethod
+    async def connect(cls, config: BusConfig) -> Bus:
+        """Connect (retrying until ``initial_connect_timeout_s``), then reconnect forever."""
+        bus: Bus | None = None
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            if bus is None:
+                errors.append(exc)
+                del errors[:-1]
+            elif isinstance(exc, SlowConsumerError):
+                bus.stats.dropped += 1
+                bus._warn_limited("slow", "slow consumer on %s: message dropped", exc.subject)
+            else:
+                log.warning("nats error: %s", exc)
+
+        async def on_reconnect() -> None:
+            if bus is not None:
+                bus.stats.reconnects += 1
+            log.info("nats reconnected to %s", client.connected_url)
+
+        async def on_disconnect() -> None:
+            if bus is not None and not client.is_closed:
+                log.warning("nats disconnected; reconnecting")
+
+        client = Client()
+        connecting = client.connect(
+            servers=[u.strip() for u in config.url.split(",") if u.strip()],
+            name=config.name,
+            user=config.user,
+            password=config.password,
+            token=config.token,
+            user_credentials=config.creds_file,
+            tls=config.tls_context(),
+            connect_timeout=config.connect_timeout_s,
+            reconnect_time_wait=config.reconnect_wait_s,
+            max_reconnect_attempts=config.max_reconnect_attempts,
+            error_cb=on_error,
+            reconnected_cb=on_reconnect,
+            disconnected_cb=on_disconnect,
+        )
+        try:
+            await asyncio.wait_for(connecting, config.initial_connect_timeout_s)
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            await client.close()
+            why = errors[-1] if errors else exc
+            raise BusConnectError(f"cannot connect to NATS at {config.url}: {why!r}") from None
+        bus = cls(client, config)
+        return bus
+
+    @property
+    def client(self) -> Client:
+        """The underlying nats-py client (JetStream / KV use it directly)."""
+        return self._nc
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc.is_connected
+
+    async def publish(self, subject: str, message: BusMessage, *, span: bool = True) -> None:
+        """Encode and publish ``message``; the current trace context travels in the headers.
+
+        ``span=False`` skips the ``bus.publish`` span (hot paths such as token chunks) but still
+        propagates the caller's context.
+        """
+        payload = codec.encode(message)
+        headers: dict[str, str] = {}
+        if span:
+            with _tracer.start_as_current_span(
+                "bus.publish",
+                kind=SpanKind.PRODUCER,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "send",
+                    "messaging.destination.name": subject,
+                    "messaging.message.body.size": len(payload),
+                },
+            ):
+                propagate.inject(headers)
+                await self._nc.publish(subject, payload, headers=headers or None)
+        else:
+            propagate.inject(headers)
+            await self._nc.publish(subject, payload, headers=headers or None)
+        self.stats.published += 1
+
+    async def subscribe(
+        self,
+        subject_filter: str,
+        handler: Handler,
+        *,
+        queue: str = "",
+        pending_msgs_limit: int | None = None,
+    ) -> Subscription:
+        """Deliver every valid message on ``subject_filter`` to ``handler(subject, message)``."""
+
+        async def on_message(msg: Msg) -> None:
+            self.stats.received += 1
+            try:
+                message = codec.decode(msg.subject, msg.data)
+            except MessageError as exc:
+                self.stats.malformed[exc.kind.value] += 1
+                self._warn_limited(
+                    exc.kind.value, "dropped bad message on %s: %s", msg.subject, exc
+                )
+                return
+            parent = propagate.extract(msg.headers or {})
+            with _tracer.start_as_current_span(
+                "bus.receive",
+                context=parent,
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "receive",
+                    "messaging.destination.name": msg.subject,
+                },
+            ):
+                try:
+                    await handler(msg.subject, message)
+                except Exception:
+                    self.stats.handler_errors += 1
+                    log.exception("handler for %s failed on %s", subject_filter, msg.subject)
+
+        return await self._nc.subscribe(
+            subject_filter,
+            queue=queue,
+            cb=on_message,
+            pending_msgs_limit=pending_msgs_limit or self.config.pending_msgs_limit,
+            pending_bytes_limit=self.config.pending_bytes_limit,
+        )
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        await self._nc.flush(timeout=timeout_s)
+
+    async def drain(self) -> None:
+        """Stop receiving, deliver what is pending, flush publishes, close."""
+        if not self._nc.is_closed:
+            await self._nc.drain()
+
+    async def close(self) -> None:
+        if not self._nc.is_closed:
+            await self._nc.close()
+
+    def _warn_limited(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_warning.get(key, 0.0) >= 1.0:
+            self._last_warning[key] = now
+            log.warning(fmt, *args)

@@ -1,0 +1,182 @@
+"""The ``kvpush`` command line: one entry point, one sub-command per job.
+
+This module owns argument parsing and dispatch only; each command's work lives in the module
+it names. Heavy imports (vLLM, torch, transformers) happen inside the command that needs them,
+so ``kvpush --help`` and ``kvpush schemas ...`` answer instantly.
+
+Threading model: runs on the main thread; commands that serve start their own asyncio loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EPILOG = """\
+Quick start:
+  kvpush up                         embedded default: nats-server, tiny model, P + D, gateway
+  kvpush model tiny --out DIR       build the tiny random-weight test model
+  kvpush schemas export --check     verify the committed bus contract files are current
+See README.md and docs/ for the architecture and operating notes."""
+
+
+def _cmd_schemas(args: argparse.Namespace) -> int:
+    from kvpush.schemas import export
+
+    out = Path(args.out) if args.out else export.PACKAGE_DIR
+    if args.check:
+        stale = export.stale(out)
+        if stale:
+            print(f"stale contract files under {out}: {', '.join(stale)}", file=sys.stderr)
+            print(
+                "run `kvpush schemas export` (or `make schemas`) and commit them", file=sys.stderr
+            )
+            return 1
+        print(f"contract files under {out} are current")
+        return 0
+    for path in export.write(out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"[kvpush model] {message}", file=sys.stderr, flush=True)
+
+
+def _cmd_model_build(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from kvpush.services import models
+
+    recipe = models.TINY if args.preset == "tiny" else models.BENCH
+    overrides = {
+        key: getattr(args, key)
+        for key in (
+            "layers",
+            "hidden",
+            "intermediate",
+            "heads",
+            "kv_heads",
+            "vocab_size",
+            "max_context",
+            "seed",
+        )
+        if getattr(args, key, None) is not None
+    }
+    recipe = dataclasses.replace(recipe, **overrides)
+    started = time.monotonic()
+    path = models.build_model(recipe, Path(args.out), progress=_progress)
+    print(f"{recipe.name}: {path} ({time.monotonic() - started:.1f}s)")
+    return 0
+
+
+def _cmd_model_generate(args: argparse.Namespace) -> int:
+    from kvpush.services import models
+
+    results = models.generate_greedy(Path(args.model_dir), args.prompt, args.max_tokens)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for item in results:
+            print(f"{item['prompt']!r} -> {item['text']!r}")
+    return 0
+
+
+def _cmd_nats(args: argparse.Namespace) -> int:
+    from kvpush.services.natsd import EmbeddedNats
+
+    server = EmbeddedNats(host=args.host, port=args.port)
+    print(f"nats-server listening on {server.start()} (Ctrl-C stops it)", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        server.stop()
+    return 0
+
+
+def _cmd_not_yet(args: argparse.Namespace) -> int:
+    print(
+        f"`kvpush {args.command}` is not part of this build yet: the gateway and workers land "
+        "with the services milestone (see README.md, 'Status').",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpush",
+        description="kvpush: prefill/decode-disaggregated LLM serving where prefill pushes KV "
+        "(NIXL WRITE) into blocks the decode engine announced over NATS.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    schemas = sub.add_parser("schemas", help="the public bus contract (JSON Schema, AsyncAPI)")
+    schemas_sub = schemas.add_subparsers(dest="action", required=True, metavar="ACTION")
+    export = schemas_sub.add_parser(
+        "export", help="write schemas/json/*.json and schemas/asyncapi.json from the structs"
+    )
+    export.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the files differ from the structs",
+    )
+    export.add_argument("--out", metavar="DIR", help="target folder (default: the package's)")
+    export.set_defaults(func=_cmd_schemas)
+
+    model = sub.add_parser("model", help="build local random-weight models; run one in vLLM")
+    model_sub = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for preset, text in (
+        ("tiny", "tiny Llama for tests (2 layers, hidden 128): seconds to build"),
+        ("bench", "larger Llama for benchmarks (8 layers, hidden 512): prefill costs real time"),
+    ):
+        p = model_sub.add_parser(preset, help=text, description=text + ". Same seed, same files.")
+        p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")
+        p.add_argument("--seed", type=int, help="random seed (default 0)")
+        p.add_argument("--layers", type=int, help="decoder layers")
+        p.add_argument("--hidden", type=int, help="hidden size")
+        p.add_argument("--intermediate", type=int, help="MLP size")
+        p.add_argument("--heads", type=int, help="attention heads")
+        p.add_argument("--kv-heads", dest="kv_heads", type=int, help="KV heads (GQA)")
+        p.add_argument("--vocab-size", dest="vocab_size", type=int, help="BPE vocabulary size")
+        p.add_argument("--max-context", dest="max_context", type=int, help="context length")
+        p.set_defaults(func=_cmd_model_build, preset=preset)
+    gen = model_sub.add_parser("generate", help="greedy generation with vLLM (CPU, in-process)")
+    gen.add_argument("model_dir", metavar="DIR")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--json", action="store_true", help="print results as JSON")
+    gen.set_defaults(func=_cmd_model_generate)
+
+    natsd = sub.add_parser("nats", help="run an embedded nats-server (JetStream) in the foreground")
+    natsd.add_argument("--host", default="127.0.0.1")
+    natsd.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
+    natsd.set_defaults(func=_cmd_nats)
+
+    for name, text in (
+        ("up", "embedded default stack: nats-server, tiny model, prefill + decode, gateway"),
+        ("gateway", "OpenAI-compatible HTTP gateway"),
+        ("prefill", "prefill worker"),
+        ("decode", "decode worker"),
+    ):
+        sub.add_parser(name, help=f"{text} (not in this build yet)").set_defaults(func=_cmd_not_yet)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

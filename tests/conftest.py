@@ -1,0 +1,54 @@
+"""Session-wide fixtures: a real nats-server, an in-memory OpenTelemetry exporter, offline env.
+
+Engines and servers start once per session (CI has 2 cores and a time budget).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+
+from kvpush.services.bus import Bus, BusConfig
+from kvpush.services.natsd import EmbeddedNats
+
+_EXPORTER = InMemorySpanExporter()
+_PROVIDER = TracerProvider()
+_PROVIDER.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+trace.set_tracer_provider(_PROVIDER)
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The in-memory span exporter, emptied before each test that asks for it."""
+    _EXPORTER.clear()
+    yield _EXPORTER
+    _EXPORTER.clear()
+
+
+@pytest.fixture
+async def bus(nats_server: EmbeddedNats) -> AsyncIterator[Bus]:
+    connection = await Bus.connect(BusConfig(url=nats_server.url, name="test"))
+    yield connection
+    await connection.close()
