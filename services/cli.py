@@ -99,6 +99,12 @@ def _cmd_nats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_transport(args: argparse.Namespace) -> int:
+    from kvpush.services.bench import transport
+
+    return transport.main(args)
+
+
 def _cmd_not_yet(args: argparse.Namespace) -> int:
     print(
         f"`kvpush {args.command}` is not part of this build yet: the gateway and workers land "
@@ -159,6 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     natsd.add_argument("--host", default="127.0.0.1")
     natsd.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
     natsd.set_defaults(func=_cmd_nats)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go under docs/benchmarks/)")
+    bench_sub = bench.add_subparsers(dest="action", required=True, metavar="ACTION")
+    from kvpush.services.bench import transport as bench_transport
+
+    bench_transport.add_arguments(
+        bench_sub.add_parser(
+            "transport",
+            help="NIXL push/pull vs raw WRITE vs memcpy at the bench model's KV sizes",
+            description=bench_transport.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    bench_sub.choices["transport"].set_defaults(func=_cmd_bench_transport)
 
     for name, text in (
         ("up", "embedded default stack: nats-server, tiny model, prefill + decode, gateway"),

@@ -1,0 +1,245 @@
+"""The side channel: each agent serves its NIXL metadata and pool layout over pyzmq.
+
+Owns the wire structs (msgpack via msgspec; no pickle anywhere), the server, the one-shot
+client fetch with its compatibility check, and the per-peer cache.
+
+Protocol (one request, one reply, ROUTER <-> REQ):
+  ``Hello(compat, agent_name)`` -> ``PeerInfo(compat, compat_hash, epoch, agent_name,
+  agent_metadata, pool)`` or ``Refused(code, detail, compat)``.
+The server refuses a peer whose compat hash differs (and says why); the client checks again on
+its side, so both ends log a clear error. ``agent_metadata`` is NIXL's own serialised agent
+metadata (an opaque byte string); ``pool`` is plain integers; descriptors are built locally.
+
+Threading model:
+- ``SideChannelServer`` runs one daemon thread that owns its zmq socket; it polls with a 100 ms
+  timeout to notice ``stop()``. It only ever sends a pre-encoded reply (swapped atomically by
+  ``update``), so it never touches NIXL.
+- ``fetch_peer`` is blocking and bounded by ``timeout_s``; it opens a fresh REQ socket per call
+  (no stuck REQ state after a timeout) with LINGER 0.
+- ``PeerCache`` runs fetches on a small thread pool (``request`` returns a Future); the cache
+  itself is only read and written by its owner thread (the transfer engine, under its lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
+import zmq
+
+from kvpush.connector.layout import CompatInfo, PoolLayout, compat_diff, compat_hash
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+class Hello(msgspec.Struct, frozen=True, tag="kvpush.sc.Hello"):
+    compat: CompatInfo
+    agent_name: str
+
+
+class PeerInfo(msgspec.Struct, frozen=True, tag="kvpush.sc.PeerInfo"):
+    compat: CompatInfo
+    compat_hash: str
+    epoch: int
+    agent_name: str
+    agent_metadata: bytes
+    pool: PoolLayout
+
+
+class Refused(msgspec.Struct, frozen=True, tag="kvpush.sc.Refused"):
+    code: str  # "incompatible" | "bad_request"
+    detail: str
+    compat: CompatInfo | None = None
+
+
+Reply = PeerInfo | Refused
+_request_decoder = msgspec.msgpack.Decoder(Hello)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class TransportError(RuntimeError):
+    """Base of the transport's errors."""
+
+
+class HandshakeError(TransportError):
+    """The peer's side channel did not answer in time or answered garbage."""
+
+
+class IncompatiblePeerError(TransportError):
+    """The peer runs a different protocol/model/dtype/block size/layout/tp or pool geometry."""
+
+    def __init__(self, address: str, differences: list[str]) -> None:
+        self.address = address
+        self.differences = differences
+        super().__init__(
+            f"peer {address} is incompatible with this engine: " + "; ".join(differences)
+        )
+
+
+class SideChannelServer:
+    """Serves this agent's ``PeerInfo`` on ``tcp://host:port`` (port 0: an ephemeral port)."""
+
+    def __init__(self, info: PeerInfo, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._info = info
+        self._reply = _encoder.encode(info)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 256)  # overflow: zmq drops; clients time out
+        self._sock.setsockopt(zmq.SNDHWM, 256)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.host, self.port = host, port
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvpush-sidechannel", daemon=True)
+        self._thread.start()
+
+    def address(self, advertise_host: str | None = None) -> str:
+        host = advertise_host or self.host
+        if host in ("0.0.0.0", "*"):
+            raise ValueError("bound to all interfaces: give an advertise host peers can reach")
+        return f"tcp://{host}:{self.port}"
+
+    def update(self, info: PeerInfo) -> None:
+        """Serve new metadata (e.g. after more memory was registered); atomic for readers."""
+        self._info, self._reply = info, _encoder.encode(info)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 3:
+                continue
+            ident, payload = frames[0], frames[-1]
+            self._sock.send_multipart([ident, b"", self._answer(payload)])
+        self._sock.close(0)
+        self._ctx.term()
+
+    def _answer(self, payload: bytes) -> bytes:
+        try:
+            hello = _request_decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
+        except msgspec.DecodeError as exc:
+            return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
+        mine = self._info.compat
+        if compat_hash(hello.compat) != self._info.compat_hash:
+            diff = compat_diff(mine, hello.compat)
+            log.warning("refusing incompatible peer %s: %s", hello.agent_name, "; ".join(diff))
+            return _encoder.encode(
+                Refused(code="incompatible", detail="; ".join(diff), compat=mine)
+            )
+        return self._reply
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def fetch_peer(
+    address: str,
+    compat: CompatInfo,
+    agent_name: str,
+    timeout_s: float,
+    ctx: zmq.Context | None = None,
+) -> PeerInfo:
+    """Ask ``address`` for its ``PeerInfo``; raise ``HandshakeError``/``IncompatiblePeerError``."""
+    ctx = ctx or zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    timeout_ms = max(1, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    try:
+        sock.connect(address)
+        sock.send(_encoder.encode(Hello(compat=compat, agent_name=agent_name)))
+        payload = sock.recv()
+    except zmq.Again as exc:
+        raise HandshakeError(f"peer {address} did not answer within {timeout_s:.1f}s") from exc
+    except zmq.ZMQError as exc:
+        raise HandshakeError(f"side channel to {address} failed: {exc}") from exc
+    finally:
+        sock.close(0)
+    try:
+        reply = _reply_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HandshakeError(f"peer {address} sent an unreadable reply: {exc}") from exc
+    if isinstance(reply, Refused):
+        if reply.code == "incompatible" and reply.compat is not None:
+            raise IncompatiblePeerError(address, compat_diff(compat, reply.compat))
+        raise HandshakeError(f"peer {address} refused the handshake: {reply.detail}")
+    if reply.compat_hash != compat_hash(compat) or compat_hash(reply.compat) != reply.compat_hash:
+        raise IncompatiblePeerError(address, compat_diff(compat, reply.compat) or ["compat hash"])
+    return reply
+
+
+class PeerCache:
+    """``address -> PeerInfo`` fetched once per peer epoch; fetches run off the owner thread.
+
+    ``request`` starts (or joins) a fetch and returns its Future; ``get`` returns the cached
+    info when its epoch matches (``epoch=None`` accepts any); ``invalidate`` forgets a peer.
+    Bound: one in-flight fetch per address, ``max_workers`` fetches at a time.
+    """
+
+    def __init__(
+        self, compat: CompatInfo, agent_name: str, timeout_s: float, max_workers: int = 2
+    ) -> None:
+        self.compat = compat
+        self.agent_name = agent_name
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpush-hs")
+        self._cache: dict[str, PeerInfo] = {}
+        self._pending: dict[str, Future[PeerInfo]] = {}
+
+    def get(self, address: str, epoch: int | None = None) -> PeerInfo | None:
+        info = self._cache.get(address)
+        if info is not None and epoch is not None and info.epoch != epoch:
+            return None
+        return info
+
+    def request(self, address: str) -> Future[PeerInfo]:
+        future = self._pending.get(address)
+        if future is None:
+            future = self._pool.submit(
+                fetch_peer, address, self.compat, self.agent_name, self.timeout_s, self._ctx
+            )
+            self._pending[address] = future
+        return future
+
+    def settle(self, address: str) -> PeerInfo | BaseException | None:
+        """The outcome of a finished fetch (cached on success), or None while pending."""
+        future = self._pending.get(address)
+        if future is None or not future.done():
+            return None
+        del self._pending[address]
+        exc = future.exception()
+        if exc is not None:
+            return exc
+        info = future.result()
+        self._cache[address] = info
+        return info
+
+    def pending(self) -> list[str]:
+        return list(self._pending)
+
+    def invalidate(self, address: str) -> PeerInfo | None:
+        return self._cache.pop(address, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ctx.term()

@@ -1,0 +1,232 @@
+"""Transfers: one object per transfer_id with an enum state; every transition lives here.
+
+Roles: ``PUSH`` (we WRITE into a peer's announced blocks), ``PULL`` (we READ a peer's blocks),
+``TARGET`` (the passive side: its blocks are written or read by the peer; it learns the end
+from a NIXL notification). States::
+
+    WAITING_PEER --> READY --> POSTED --> DONE
+         |             |         |
+         +-------------+---------+--> ABORTING --> ABORTED
+         +-------------+---------+--> FAILED | EXPIRED | ABORTED
+
+- initiator: WAITING_PEER while the handshake runs, READY once the peer is loaded, POSTED after
+  the first request. DONE after ``finish`` once every request is DONE *and* the completion notice
+  was sent. ABORTING while aborted requests are still in flight.
+- target: WAITING_PEER until the initiator's notice: ``done`` -> DONE, ``aborted`` -> ABORTED,
+  ``failed`` -> FAILED. A local ``abort`` moves it to ABORTING until the initiator's ack.
+
+``quiesced`` is separate from the state (DESIGN §4.3-4.4): an initiator is quiesced when no
+request of the transfer is in flight (all released); a target when the initiator said it is
+finished (any notice) or the peer was declared lost. Failures are reported at once (the event
+carries ``quiesced=False`` if requests are still in flight) and a second event follows when the
+transfer quiesces; only then may blocks be freed or reused.
+
+Threading model: none here; ``Transfer`` objects are owned by ``TransferEngine`` (engine.py),
+which mutates them only under its lock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvpush.connector.agent import XferHandle
+from kvpush.schemas.messages import FailReason, LayerTiming
+
+NOTICE_VERSION = 1
+
+
+class TransferState(str, enum.Enum):
+    WAITING_PEER = "waiting_peer"
+    READY = "ready"
+    POSTED = "posted"
+    ABORTING = "aborting"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {TransferState.DONE, TransferState.FAILED, TransferState.ABORTED, TransferState.EXPIRED}
+)
+_S = TransferState
+_ALLOWED: dict[TransferState, frozenset[TransferState]] = {
+    _S.WAITING_PEER: frozenset({_S.READY, _S.ABORTING, *_TERMINAL}),
+    _S.READY: frozenset({_S.POSTED, _S.ABORTING, *_TERMINAL}),
+    _S.POSTED: frozenset({_S.ABORTING, *_TERMINAL}),
+    _S.ABORTING: frozenset({_S.ABORTED, _S.FAILED, _S.EXPIRED}),
+    **{s: frozenset() for s in _TERMINAL},
+}
+
+
+class Role(str, enum.Enum):
+    PUSH = "push"
+    PULL = "pull"
+    TARGET = "target"
+
+
+class NoticeKind(str, enum.Enum):
+    DONE = "done"  # every request of the transfer completed
+    ABORTED = "aborted"  # aborted; nothing in flight, nothing more will come
+    FAILED = "failed"  # failed or expired; nothing in flight, nothing more will come
+
+
+class Notice(msgspec.Struct, frozen=True, array_like=True):
+    """The NIXL notification payload, JSON: ``[1, "done", "<transfer_id>"]``."""
+
+    version: int
+    kind: NoticeKind
+    transfer_id: str
+
+
+notice_encoder = msgspec.json.Encoder()
+notice_decoder = msgspec.json.Decoder(Notice)
+
+
+class TransferEvent(msgspec.Struct, frozen=True):
+    """What ``poll()`` reports: a terminal state reached, or a terminal transfer quiesced."""
+
+    transfer_id: str
+    role: Role
+    state: TransferState
+    quiesced: bool
+    reason: FailReason | None = None
+    detail: str = ""
+    bytes: int = 0
+    descriptors: int = 0
+    nixl_descriptors: int | None = None  # what NIXL posted after its merge (telemetry on)
+    elapsed_ms: float = 0.0
+    layers: list[LayerTiming] = []
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Posted:
+    """One NIXL request of a transfer and the layers it carries."""
+
+    handle: XferHandle
+    layers: tuple[int, ...]
+    posted_at: float
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Transfer:
+    transfer_id: str
+    role: Role
+    peer: str | None  # the peer's side-channel address (targets: optional)
+    created: float
+    deadline: float
+    peer_epoch: int | None = None
+    state: TransferState = TransferState.WAITING_PEER
+    reason: FailReason | None = None
+    detail: str = ""
+    ended_at: float | None = None
+    # initiator side
+    segments: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    local_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    remote_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    local_index: list[np.ndarray] | None = None  # per layer, rows of the prepped local list
+    remote_index: list[np.ndarray] | None = None
+    layer_descs: list[int] = field(default_factory=list)  # descriptors per layer
+    layer_nbytes: list[int] = field(default_factory=list)
+    requests: list[Posted] = field(default_factory=list)
+    pending: list[tuple[int, ...]] = field(default_factory=list)
+    layers_asked: set[int] = field(default_factory=set)
+    finish_requested: bool = False
+    end_notice_sent: bool = False
+    nbytes: int = 0
+    descriptors: int = 0
+    nixl_descriptors: int | None = None
+    timings: dict[int, list[float]] = field(default_factory=dict)
+    # target side
+    noticed: bool = False
+    # reporting
+    reported: tuple[TransferState, bool] | None = None
+
+    # ---- the only place states change ----------------------------------------------------
+    def to(
+        self, state: TransferState, now: float, reason: FailReason | None = None, detail: str = ""
+    ) -> None:
+        if state is self.state:
+            return
+        if state not in _ALLOWED[self.state]:
+            raise InvalidTransition(f"{self.transfer_id}: {self.state.value} -> {state.value}")
+        self.state = state
+        if reason is not None:
+            self.reason = reason
+        if detail:
+            self.detail = detail[:1000]
+        if state.terminal:
+            self.ended_at = now
+            self.pending.clear()
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def initiator(self) -> bool:
+        return self.role is not Role.TARGET
+
+    @property
+    def in_flight(self) -> list[Posted]:
+        return [p for p in self.requests if not p.handle.released]
+
+    @property
+    def quiesced(self) -> bool:
+        if self.initiator:
+            return not self.in_flight
+        return self.noticed
+
+    @property
+    def accepts_posts(self) -> bool:
+        return self.state in (TransferState.WAITING_PEER, TransferState.READY, TransferState.POSTED)
+
+    def event(self, now: float) -> TransferEvent | None:
+        """The event to report now, if the (terminal state, quiesced) pair changed."""
+        if not self.state.terminal:
+            return None
+        key = (self.state, self.quiesced)
+        if key == self.reported:
+            return None
+        self.reported = key
+        return TransferEvent(
+            transfer_id=self.transfer_id,
+            role=self.role,
+            state=self.state,
+            quiesced=self.quiesced,
+            reason=self.reason,
+            detail=self.detail,
+            bytes=self.nbytes,
+            descriptors=self.descriptors,
+            nixl_descriptors=self.nixl_descriptors,
+            elapsed_ms=round(((self.ended_at or now) - self.created) * 1e3, 3),
+            layers=[
+                LayerTiming(layer=k, posted_ms=round(v[0], 3), done_ms=round(v[1], 3))
+                for k, v in sorted(self.timings.items())
+                if v[1] >= 0
+            ],
+        )
+
+    # ---- notices from the initiator (target side) ---------------------------------------------
+    def on_notice(self, kind: NoticeKind, now: float) -> None:
+        self.noticed = True
+        if self.state is TransferState.WAITING_PEER:
+            if kind is NoticeKind.DONE:
+                self.to(TransferState.DONE, now)
+            elif kind is NoticeKind.ABORTED:
+                self.to(TransferState.ABORTED, now, FailReason.ABORTED, "aborted by the peer")
+            else:
+                self.to(TransferState.FAILED, now, FailReason.TRANSFER, "the peer reported failure")
+        elif self.state is TransferState.ABORTING:
+            self.to(TransferState.ABORTED, now, FailReason.ABORTED)
+        # terminal already (EXPIRED/FAILED locally): only ``noticed`` changes

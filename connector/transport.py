@@ -1,0 +1,396 @@
+"""``KvTransport``: the vLLM-free transport facade, one per engine process (both roles).
+
+Ties together the NIXL agent (agent.py), the pool layout (layout.py), the side channel
+(sidechannel.py), the transfer state machine (transfer.py) and its engine (engine.py).
+What a connector calls:
+
+- decode side (push target): ``expect(tid, timeout_s)`` before announcing its blocks (with
+  ``address``, ``epoch`` and ``compat_hash`` in the announcement), then ``poll()`` until the
+  transfer's event: DONE means the KV is in place; anything else means fall back.
+- prefill side (push initiator): ``start_push(tid, peer, remote_runs, local_runs, timeout_s,
+  peer_epoch)`` when the announcement arrives; ``push_layers(tid, [i])`` after layer ``i`` is
+  computed (or all layers in one call when the announcement came late); ``finish(tid)``.
+  ``poll()`` reports DONE once every WRITE is done and the notice was sent. Free source blocks
+  only on an event with ``quiesced=True``.
+- pull: ``start_pull`` on the reader (one READ per layer group, finishes by itself) and
+  ``expect`` on the owner of the blocks (its DONE event says the blocks may be freed).
+- ``abort(tid)`` (the ABORTED event is the acknowledgement), ``fail(tid, reason)``,
+  ``peer_lost(address)`` once a peer's heartbeat lease expired.
+
+Threading model: every public method takes one re-entrant lock, so the owner thread (the
+engine's worker) and a ``Poller`` thread may both call in; NIXL is entered only under that lock.
+``poll()`` drives NIXL progress (request status, notifications): there is no NIXL progress
+thread. Handshakes run on the peer cache's fetch threads; ``poll()`` (or the blocking
+``connect``) installs their result into NIXL. The side-channel server thread never touches NIXL.
+``Poller`` calls ``poll()`` every ``busy_interval_s`` while transfers are active and every
+``idle_interval_s`` otherwise (an idle decode engine costs ~nothing); ``wake()`` cuts a sleep
+short. Its events go to a bounded queue; when the queue is full the poller stops polling until
+the owner drains it (nothing is dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent
+from kvpush.connector.engine import PeerLink, TransferEngine
+from kvpush.connector.layout import CompatInfo, PoolLayout, Runs, compat_hash, geometry_diff
+from kvpush.connector.layout import per_block_descs as _per_block_descs
+from kvpush.connector.sidechannel import (
+    HandshakeError,
+    IncompatiblePeerError,
+    PeerCache,
+    PeerInfo,
+    SideChannelServer,
+    TransportError,
+)
+from kvpush.connector.transfer import Role, TransferEvent, TransferState
+from kvpush.schemas.messages import FailReason
+
+log = logging.getLogger(__name__)
+
+
+class TransportConfig(msgspec.Struct, frozen=True):
+    worker_id: str
+    compat: CompatInfo
+    epoch: int = 0  # 0: derive from the clock at start
+    host: str = "127.0.0.1"  # side-channel bind host
+    port: int = 0  # 0: ephemeral
+    advertise_host: str | None = None
+    backend: Backend = Backend.UCX
+    backend_params: dict[str, str] = {}  # e.g. {"ucx_error_handling_mode": "peer"}
+    ucx_env: dict[str, str] = {}  # UCX_* variables, set (if unset) before the agent is built
+    handshake_timeout_s: float = 5.0
+    cancel_grace_s: float = 5.0  # in-flight requests of an ended transfer are cancelled after
+    prep_limit: int = 1 << 18  # largest per-block prepped list; bigger pools post coalesced rows
+    max_transfers: int = 4096  # bound of the transfer table; start/expect raise beyond it
+    max_early_notices: int = 4096  # notices for transfers not yet expected; oldest dropped
+    telemetry: bool = False
+
+
+class KvTransport:
+    def __init__(self, config: TransportConfig, layout: PoolLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.epoch = config.epoch or time.time_ns() // 1_000_000
+        self.compat_hash = compat_hash(config.compat)
+        self.agent_name = f"{config.worker_id}-{self.epoch}"
+        self._lock = threading.RLock()
+        self._closed = False
+        self._agent = NixlAgent(
+            AgentConfig(
+                name=self.agent_name,
+                backend=config.backend,
+                backend_params=config.backend_params,
+                ucx_env=config.ucx_env,
+                telemetry=config.telemetry,
+            )
+        )
+        try:
+            self._agent.register(layout)
+            local_prep = (
+                self._agent.prep(None, _per_block_descs(layout), layout.mem_type)
+                if layout.prepped_size() <= config.prep_limit
+                else None
+            )
+            self._engine = TransferEngine(
+                self._agent,
+                layout,
+                local_prep,
+                cancel_grace_s=config.cancel_grace_s,
+                max_transfers=config.max_transfers,
+                max_early_notices=config.max_early_notices,
+                clock=time.monotonic,
+            )
+            self._server = SideChannelServer(
+                PeerInfo(
+                    compat=config.compat,
+                    compat_hash=self.compat_hash,
+                    epoch=self.epoch,
+                    agent_name=self.agent_name,
+                    agent_metadata=self._agent.metadata(),
+                    pool=layout,
+                ),
+                config.host,
+                config.port,
+            )
+            try:
+                self.address = self._server.address(config.advertise_host)
+            except ValueError:
+                self._server.stop()
+                raise
+        except Exception:
+            self._agent.close()
+            raise
+        self._peers = PeerCache(config.compat, self.agent_name, config.handshake_timeout_s)
+
+    # ---- peers ------------------------------------------------------------------------------
+    def connect(
+        self, address: str, epoch: int | None = None, timeout_s: float | None = None
+    ) -> PeerInfo:
+        """Blocking handshake (warms the cache). Raises Handshake/IncompatiblePeerError."""
+        with self._lock:
+            link = self._link(address, epoch)
+            if link is not None:
+                return link.info
+            future = self._peers.request(address)
+        with contextlib.suppress(Exception):  # the outcome is raised by _settle below
+            future.result(timeout=timeout_s or self.config.handshake_timeout_s + 1.0)
+        with self._lock:
+            outcome = self._settle(address)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            link = self._engine.peers.get(address)
+            if link is None:
+                raise TransportError(f"peer {address} could not be installed")
+            if epoch is not None and link.info.epoch != epoch:
+                raise HandshakeError(
+                    f"peer {address} is at epoch {link.info.epoch}, expected {epoch}"
+                )
+            return link.info
+
+    def _link(self, address: str, epoch: int | None) -> PeerLink | None:
+        """The attached peer; a *newer* epoch than cached means it restarted: drop the old one.
+        (An older epoch is a stale announcement: the transfer fails against the current one.)"""
+        link = self._engine.peers.get(address)
+        if link is not None and epoch is not None and epoch > link.info.epoch:
+            log.info(
+                "peer %s moved to epoch %d (was %d): dropping the old agent",
+                address,
+                epoch,
+                link.info.epoch,
+            )
+            self._drop(address, "the peer restarted (epoch changed)")
+            return None
+        return link
+
+    def _settle(self, address: str) -> PeerInfo | BaseException | None:
+        """Install a finished handshake into NIXL, or fail the transfers that waited on it."""
+        outcome = self._peers.settle(address)
+        if outcome is None:
+            return None
+        if isinstance(outcome, PeerInfo) and geometry_diff(self.layout, outcome.pool):
+            self._peers.invalidate(address)
+            outcome = IncompatiblePeerError(address, geometry_diff(self.layout, outcome.pool))
+        if isinstance(outcome, PeerInfo):
+            try:
+                name = self._agent.add_peer(outcome.agent_metadata)
+                prep = None
+                if (
+                    self._engine.local_prep is not None
+                    and outcome.pool.prepped_size() <= self.config.prep_limit
+                ):
+                    prep = self._agent.prep(
+                        name, _per_block_descs(outcome.pool), outcome.pool.mem_type
+                    )
+            except AgentError as exc:
+                self._peers.invalidate(address)
+                self._engine.fail_waiting(address, FailReason.HANDSHAKE, str(exc))
+                return exc
+            self._engine.attach(address, PeerLink(info=outcome, agent_name=name, prep=prep))
+            return outcome
+        reason = (
+            FailReason.INCOMPATIBLE
+            if isinstance(outcome, IncompatiblePeerError)
+            else FailReason.HANDSHAKE
+        )
+        log.warning("handshake with %s failed: %s", address, outcome)
+        self._engine.fail_waiting(address, reason, str(outcome))
+        return outcome
+
+    def _drop(self, address: str, why: str) -> None:
+        link = self._engine.detach(address, why)
+        self._peers.invalidate(address)
+        if link is not None:
+            if link.prep is not None:
+                self._agent.unprep(link.prep)
+            self._agent.remove_peer(link.agent_name)
+
+    def peer_lost(self, address: str) -> None:
+        """The peer is dead (lease expired): remove its agent; fail and quiesce its transfers."""
+        with self._lock:
+            self._drop(address, "peer lost")
+
+    # ---- transfers --------------------------------------------------------------------------
+    def start_push(
+        self,
+        transfer_id: str,
+        peer: str,
+        remote_runs: Runs,
+        local_runs: Runs,
+        timeout_s: float,
+        peer_epoch: int | None = None,
+    ) -> TransferState:
+        """WRITE ``local_runs`` into the peer's announced ``remote_runs`` (same token order)."""
+        return self._start(
+            Role.PUSH, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+        )
+
+    def start_pull(
+        self,
+        transfer_id: str,
+        peer: str,
+        remote_runs: Runs,
+        local_runs: Runs,
+        timeout_s: float,
+        peer_epoch: int | None = None,
+        layer_groups: Sequence[Sequence[int]] | None = None,
+    ) -> TransferState:
+        """READ the peer's ``remote_runs`` into ``local_runs``; posts and finishes by itself."""
+        with self._lock:
+            self._start(
+                Role.PULL, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+            )
+            for group in layer_groups or [range(self.layout.num_layers)]:
+                self._engine.push_layers(transfer_id, group)
+            self._engine.finish(transfer_id)
+            return self._engine.get(transfer_id).state
+
+    def _start(
+        self,
+        role: Role,
+        transfer_id: str,
+        peer: str,
+        remote_runs: Runs,
+        local_runs: Runs,
+        timeout_s: float,
+        peer_epoch: int | None,
+    ) -> TransferState:
+        with self._lock:
+            self._check_open()
+            self._link(peer, peer_epoch)
+            t = self._engine.start(
+                role, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+            )
+            if t.state is TransferState.WAITING_PEER:
+                self._peers.request(peer)
+            return t.state
+
+    def expect(self, transfer_id: str, timeout_s: float, peer: str | None = None) -> None:
+        """Track a transfer the peer initiates; its notice (or the deadline) ends it."""
+        with self._lock:
+            self._check_open()
+            self._engine.expect(transfer_id, timeout_s, peer)
+
+    def push_layers(self, transfer_id: str, layers: Sequence[int]) -> bool:
+        """Post one request for ``layers``; False if the transfer no longer accepts posts
+        (aborted, failed, expired, finished). KeyError for an id never started."""
+        with self._lock:
+            return self._engine.push_layers(transfer_id, layers)
+
+    def finish(self, transfer_id: str) -> None:
+        """No more layers: the completion notice goes out once every request is DONE."""
+        with self._lock:
+            self._engine.finish(transfer_id)
+
+    def abort(self, transfer_id: str, detail: str = "") -> None:
+        """Stop posting. The ABORTED event (quiesced) is the acknowledgement."""
+        with self._lock:
+            self._engine.abort(transfer_id, detail)
+
+    def fail(self, transfer_id: str, reason: FailReason, detail: str = "") -> None:
+        """Fail a transfer from outside (prefill failed, KvFailed arrived). A target stays
+        unquiesced until the initiator's notice, ``acknowledged`` or ``peer_lost``."""
+        with self._lock:
+            self._engine.fail(transfer_id, reason, detail)
+
+    def acknowledged(self, transfer_id: str) -> None:
+        """Target side: the initiator confirmed over the bus (AbortAck) that nothing of this
+        transfer is or will be in flight; same effect as its ``aborted`` notice."""
+        with self._lock:
+            self._engine.acknowledged(transfer_id)
+
+    def poll(self) -> list[TransferEvent]:
+        """Drive NIXL, advance every transfer, return what happened (terminal/quiesced)."""
+        with self._lock:
+            if self._closed:
+                return []
+            for address in self._peers.pending():
+                self._settle(address)
+            return self._engine.progress()
+
+    # ---- introspection & lifecycle ----------------------------------------------------------
+    def state(self, transfer_id: str) -> TransferState | None:
+        """Current state; a recently ended (reaped) transfer keeps its final state."""
+        with self._lock:
+            t = self._engine.transfers.get(transfer_id)
+            return t.state if t is not None else self._engine.ended.get(transfer_id)
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._engine.transfers)
+
+    @property
+    def live_handles(self) -> int:
+        """NIXL requests not yet released, over all transfers."""
+        return self._agent.live_handles
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("transport is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._engine.cancel_all()
+            self._server.stop()
+            self._peers.close()
+            for address in list(self._engine.peers):
+                self._drop(address, "transport closed")
+            self._agent.close()
+
+    def __enter__(self) -> KvTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Poller:
+    """Calls ``transport.poll()`` from its own thread; events land in a bounded queue."""
+
+    def __init__(
+        self,
+        transport: KvTransport,
+        busy_interval_s: float = 0.0002,
+        idle_interval_s: float = 0.02,
+        max_events: int = 4096,
+    ) -> None:
+        self.transport = transport
+        self.busy_interval_s = busy_interval_s
+        self.idle_interval_s = idle_interval_s
+        self.events: queue.Queue[TransferEvent] = queue.Queue(maxsize=max_events)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpush-poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for event in self.transport.poll():
+                while not self._stop.is_set():  # full queue: wait for the owner, drop nothing
+                    try:
+                        self.events.put(event, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            busy = self.transport.active() > 0
+            self._wake.wait(self.busy_interval_s if busy else self.idle_interval_s)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2.0)

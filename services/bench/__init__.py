@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvpush bench ...`; results are committed under docs/benchmarks/."""
