@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -364,8 +364,10 @@ class Poller:
         busy_interval_s: float = 0.0002,
         idle_interval_s: float = 0.02,
         max_events: int = 4096,
+        on_events: Callable[[], None] | None = None,
     ) -> None:
         self.transport = transport
+        self.on_events = on_events  # called on the poller thread after events were queued
         self.busy_interval_s = busy_interval_s
         self.idle_interval_s = idle_interval_s
         self.events: queue.Queue[TransferEvent] = queue.Queue(maxsize=max_events)
@@ -376,13 +378,16 @@ class Poller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for event in self.transport.poll():
+            events = self.transport.poll()
+            for event in events:
                 while not self._stop.is_set():  # full queue: wait for the owner, drop nothing
                     try:
                         self.events.put(event, timeout=0.1)
                         break
                     except queue.Full:
                         continue
+            if events and self.on_events is not None:
+                self.on_events()
             busy = self.transport.active() > 0
             self._wake.wait(self.busy_interval_s if busy else self.idle_interval_s)
             self._wake.clear()

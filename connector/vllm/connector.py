@@ -1,0 +1,130 @@
+"""``KVPushConnector``: the vLLM ``KVConnectorBase_V1`` facade of kvpush (push and pull).
+
+Load it without patching vLLM::
+
+    kv_transfer_config = {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.connector.vllm.connector",
+        "kv_role": "kv_producer" | "kv_consumer",
+        "kv_load_failure_policy": "recompute",   # decode falls back to local prefill
+        "kv_connector_extra_config": {"worker_id": "d0", "role": "decode",
+                                      "nats_url": "nats://127.0.0.1:4222"},
+    }
+
+Requests opt in with ``kv_transfer_params = TransferParams(...).to_params()``; others run as on
+a plain engine. vLLM builds one instance per role: the scheduler role delegates to
+``SchedulerHalf`` (bookkeeping, no I/O), the worker role to ``WorkerHalf`` (NIXL + bus).
+
+Threading model: vLLM calls each instance from its engine thread (scheduler or worker); the
+worker half owns a poller thread and shares the process's bus thread (see ``runtime``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
+from kvpush.connector.vllm.scheduler import SchedulerHalf
+from kvpush.connector.vllm.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = vllm_config.kv_transfer_config
+        settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(settings, block_size)
+        else:
+            model = vllm_config.model_config
+            model_id = settings.model_id or str(model.served_model_name or model.model)
+            self._worker = WorkerHalf(settings, model_id, str(model.dtype), block_size)
+
+    # ---- worker role ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVPushMetadata):
+            self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # receives are driven by the transport, not by the forward pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        return None  # pushes are asynchronous; their source blocks stay held (delay_free)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    # ---- scheduler role -------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None

@@ -1,0 +1,248 @@
+"""Decode side of the worker half: announce blocks, receive KV, fall back when it does not come.
+
+One ``Incoming`` per transfer. Push mode: ``expect`` the transfer, then announce the blocks for
+tokens [first_token, num_tokens) on ``kvpush.v1.blocks.<P>``; the NIXL completion notice makes
+the transport report DONE. Pull mode: wait for P's ``KvReady`` and READ P's blocks. A receive is
+reported to vLLM (``finished_recving``; plus ``failed_recving`` for a fallback) only on a
+quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
+come), or P declared dead (its side channel stopped answering after an abort went unanswered).
+A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3).
+
+Threading model: ``on_bus`` runs on the bus thread, ``on_work``/``collect`` on the engine
+thread; both take ``self.lock``. The liveness probe of a silent peer runs on a short-lived
+thread and reports back through ``self.lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvpush.connector.layout import ids_to_runs, runs_to_ids
+from kvpush.connector.sidechannel import TransportError, fetch_peer
+from kvpush.connector.transfer import TransferEvent, TransferState
+from kvpush.connector.transport import KvTransport
+from kvpush.connector.vllm.metadata import ConnectorSettings, DecodeWork, ReceiveKind
+from kvpush.connector.vllm.runtime import BusThread, add_pending, notify
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import Abort, AbortAck, BlocksAnnounced, KvFailed, KvReady
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Incoming:
+    work: DecodeWork
+    deadline: float
+    peer: str | None = None  # P's side channel once known (pull: KvReady; push: its WRITE)
+    started: bool = False
+    abort_sent_at: float | None = None
+    probing: bool = False
+    outcome: TransferState | None = None
+    failed: bool = False
+    request_ended: bool = False
+
+
+class DecodeSide:
+    def __init__(
+        self, settings: ConnectorSettings, transport: KvTransport, bus: BusThread, block_size: int
+    ) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.bus = bus
+        self.block_size = block_size
+        self.lock = threading.RLock()
+        self._by_tid: dict[str, Incoming] = {}
+        self._early: OrderedDict[str, KvReady | KvFailed | AbortAck] = OrderedDict()
+        me = settings.worker_id
+        bus.subscribe(subjects.kv_ready(me), self.on_bus)
+        bus.subscribe(subjects.kv_failed(me), self.on_bus)
+        bus.subscribe(subjects.abort(me), self.on_bus)
+
+    # ---- bus thread -------------------------------------------------------------------------
+    def on_bus(self, subject: str, message: object) -> None:
+        if not isinstance(message, (KvReady, KvFailed, AbortAck)):
+            return
+        with self.lock:
+            inc = self._by_tid.get(message.transfer_id)
+            if inc is None:
+                self._early[message.transfer_id] = message
+                while len(self._early) > self.settings.max_pending_announcements:
+                    self._early.popitem(last=False)
+                return
+            self._apply(inc, message)
+        notify()
+
+    def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
+        tid = inc.work.params.transfer_id
+        if isinstance(message, KvReady):
+            if inc.work.kind is ReceiveKind.PULL and not inc.started and inc.outcome is None:
+                self._start_pull(inc, message)
+        elif isinstance(message, KvFailed):
+            log.warning(
+                "transfer %s: prefill reported %s: %s", tid, message.reason.value, message.detail
+            )
+            if inc.started:
+                self.transport.acknowledged(tid)  # P is quiesced when it sends KvFailed
+            else:
+                self._settle(inc, TransferState.FAILED)
+        elif inc.started:
+            self.transport.acknowledged(tid)
+        else:
+            self._settle(inc, TransferState.ABORTED)
+
+    def _start_pull(self, inc: Incoming, ready: KvReady) -> None:
+        w = inc.work
+        first = w.first_token // self.block_size
+        remote = runs_to_ids(ready.block_runs)[first:]
+        if ready.num_tokens != w.num_tokens or len(remote) != len(w.block_ids):
+            log.warning(
+                "transfer %s: KvReady does not fit (%d tokens, %d blocks; want %d, %d)",
+                w.params.transfer_id,
+                ready.num_tokens,
+                len(remote),
+                w.num_tokens,
+                len(w.block_ids),
+            )
+            self._settle(inc, TransferState.FAILED)
+            return
+        inc.peer, inc.started = ready.side_channel, True
+        try:
+            self.transport.start_pull(
+                w.params.transfer_id,
+                ready.side_channel,
+                ids_to_runs(remote),
+                ids_to_runs(w.block_ids),
+                max(0.05, inc.deadline - time.monotonic()),
+                ready.prefill_epoch,
+            )
+        except Exception as exc:  # nothing was posted: no READ can land later
+            log.warning("transfer %s: pull failed to start: %s", w.params.transfer_id, exc)
+            self._settle(inc, TransferState.FAILED)
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def on_work(self, work: list[DecodeWork]) -> None:
+        with self.lock:
+            for item in work:
+                tid = item.params.transfer_id
+                if item.kind is ReceiveKind.LOCAL:
+                    self._tell_prefill(item, "decode computes this prompt locally")
+                elif item.kind is ReceiveKind.ABORT:
+                    inc = self._by_tid.get(tid)
+                    if inc is not None:
+                        inc.request_ended = True
+                        self._abort(inc, "request ended")
+                else:
+                    self._receive(item)
+
+    def _receive(self, item: DecodeWork) -> None:
+        tid = item.params.transfer_id
+        timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
+        inc = Incoming(item, time.monotonic() + timeout)
+        self._by_tid[tid] = inc
+        add_pending(1)
+        if item.kind is ReceiveKind.PUSH:
+            self.transport.expect(tid, timeout)
+            inc.started = True
+            self.bus.publish(
+                subjects.blocks(item.params.prefill_id),
+                BlocksAnnounced(
+                    transfer_id=tid,
+                    decode_id=self.settings.worker_id,
+                    decode_epoch=self.transport.epoch,
+                    block_runs=[tuple(r) for r in ids_to_runs(item.block_ids)],
+                    first_token=item.first_token,
+                    num_tokens=item.num_tokens,
+                    compat_hash=self.transport.compat_hash,
+                    side_channel=self.transport.address,
+                ),
+            )
+        early = self._early.pop(tid, None)
+        if early is not None:
+            self._apply(inc, early)
+
+    def _tell_prefill(self, item: DecodeWork, reason: str) -> None:
+        self.bus.publish(
+            subjects.abort(item.params.prefill_id),
+            Abort(
+                transfer_id=item.params.transfer_id, sender=self.settings.worker_id, reason=reason
+            ),
+        )
+
+    def _abort(self, inc: Incoming, reason: str) -> None:
+        if inc.outcome is not None or inc.abort_sent_at is not None:
+            return
+        inc.abort_sent_at = time.monotonic()
+        if inc.started:
+            self.transport.abort(inc.work.params.transfer_id, reason)
+            self._tell_prefill(inc.work, reason)
+        else:  # pull not started: no READ will be posted; P drops its blocks on the abort
+            self._tell_prefill(inc.work, reason)
+            self._settle(inc, TransferState.ABORTED)
+
+    def _settle(self, inc: Incoming, state: TransferState) -> None:
+        if inc.outcome is None:
+            inc.outcome = state
+            inc.failed = state is not TransferState.DONE
+
+    def _probe(self, inc: Incoming, address: str) -> None:
+        """P never acknowledged: if its side channel is gone, P is dead and nothing can land."""
+        try:
+            fetch_peer(address, self.transport.config.compat, "kvpush-probe", 1.0)
+            alive = True
+        except TransportError:
+            alive = False
+        except Exception:
+            alive = True
+        with self.lock:
+            inc.probing = False
+            if not alive:
+                log.warning(
+                    "prefill at %s is gone: releasing transfer %s",
+                    address,
+                    inc.work.params.transfer_id,
+                )
+                self.transport.peer_lost(address)
+            else:
+                inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
+        notify()
+
+    def collect(self, events: list[TransferEvent]) -> tuple[set[str], set[str]]:
+        """Returns (finished_recving, failed_recving) request ids, each reported once."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        with self.lock:
+            for event in events:
+                inc = self._by_tid.get(event.transfer_id)
+                if inc is None:
+                    continue
+                if event.quiesced:
+                    self._settle(inc, event.state)
+                elif event.state in (TransferState.EXPIRED, TransferState.FAILED):
+                    self._abort(inc, f"decode gave up: {event.state.value}")
+            now = time.monotonic()
+            for tid, inc in list(self._by_tid.items()):
+                if inc.outcome is None and not inc.started and now > inc.deadline:
+                    self._abort(inc, "no KvReady from prefill in time")
+                if (
+                    inc.outcome is None
+                    and inc.abort_sent_at is not None
+                    and not inc.probing
+                    and now - inc.abort_sent_at > self.settings.abort_ack_timeout_s
+                ):
+                    peer = inc.peer or inc.work.params.prefill_address
+                    if peer:
+                        inc.probing = True
+                        threading.Thread(target=self._probe, args=(inc, peer), daemon=True).start()
+                if inc.outcome is None:
+                    continue
+                req_id = inc.work.req_id
+                finished.add(req_id)
+                if inc.failed and not inc.request_ended:
+                    failed.add(req_id)
+                del self._by_tid[tid]
+                add_pending(-1)
+        return finished, failed

@@ -1,0 +1,188 @@
+"""Scheduler half of ``KVPushConnector``: bookkeeping only, no I/O.
+
+Runs inside vLLM's scheduler (the EngineCore thread). It decides, per request, whether KV comes
+from a peer (decode: report the prompt's missing tokens as loaded asynchronously), records which
+blocks a transfer uses, and hands that to the worker half in ``KVPushMetadata`` every step. All
+bus and NIXL traffic happens in the worker half (``worker.py``), which therefore works the same
+whether the worker lives in this process or another.
+
+Decode (push or pull):
+  get_num_new_matched_tokens -> (prompt tokens beyond the local prefix hit, async=True)
+  update_state_after_alloc(n>0) -> DecodeWork(PUSH|PULL) with the blocks for tokens
+  [first_token, num_tokens), first_token = the block-aligned local hit (DESIGN §4 rule 6)
+  update_state_after_alloc(n=0) for a kvpush request never loaded -> DecodeWork(LOCAL)
+  request_finished while still receiving -> DecodeWork(ABORT); vLLM keeps the blocks until the
+  worker reports the receive finished (only once no WRITE can land: rule 3)
+Prefill:
+  every scheduled step of a kvpush request -> PrefillWork(block ids, completes=last chunk)
+  request_finished -> delay_free=True until the worker reports the push finished (rule 4);
+  ``has_pending_push_work`` keeps the engine stepping until then.
+
+Threading model: called only on the scheduler thread; the only shared state is the runtime's
+``mark_step`` flag (a bool write).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpush.connector.vllm import runtime
+from kvpush.connector.vllm.metadata import (
+    ConnectorSettings,
+    DecodeWork,
+    KVPushMetadata,
+    PrefillWork,
+    ReceiveKind,
+    TransferMode,
+    TransferParams,
+    read_params,
+)
+from kvpush.schemas.messages import WorkerRole
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerHalf:
+    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.is_decode = settings.role is WorkerRole.DECODE
+        self._meta = KVPushMetadata()
+        # decode: req_id -> params of receives announced and not yet reported finished
+        self._receiving: dict[str, TransferParams] = {}
+        self._handled: set[str] = set()  # decode requests already given a receive or LOCAL
+        # prefill: req_id -> (params, block ids so far, prompt tokens) while still in prefill
+        self._prefilling: dict[str, tuple[TransferParams, list[int], int]] = {}
+        self._awaiting_push: set[str] = set()  # finished requests whose blocks wait for a push
+
+    # ---- decode side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if not self.is_decode or request.request_id in self._handled:
+            return 0, False
+        params = read_params(request.kv_transfer_params)
+        if params is None:
+            return 0, False
+        missing = request.num_prompt_tokens - num_computed_tokens
+        if missing < self.settings.min_transfer_tokens:
+            return 0, False
+        return missing, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if not self.is_decode or request.request_id in self._handled:
+            return
+        params = read_params(request.kv_transfer_params)
+        if params is None:
+            return
+        req_id = request.request_id
+        self._handled.add(req_id)
+        num_tokens = request.num_prompt_tokens
+        if num_external_tokens <= 0:
+            self._meta.decode.append(DecodeWork(ReceiveKind.LOCAL, req_id, params))
+            return
+        first_token = num_tokens - num_external_tokens
+        all_blocks = blocks.get_block_ids()[0]
+        first_block = first_token // self.block_size
+        last_block = -(-num_tokens // self.block_size)
+        kind = ReceiveKind.PULL if params.mode is TransferMode.PULL else ReceiveKind.PUSH
+        self._meta.decode.append(
+            DecodeWork(
+                kind,
+                req_id,
+                params,
+                list(all_blocks[first_block:last_block]),
+                first_token,
+                num_tokens,
+            )
+        )
+        self._receiving[req_id] = params
+
+    def receive_finished(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._receiving.pop(req_id, None)
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def _prefill_step(
+        self,
+        req_id: str,
+        params: TransferParams,
+        blocks: list[int],
+        num_tokens: int,
+        computed: int,
+        scheduled: int,
+    ) -> None:
+        completes = computed + scheduled >= num_tokens
+        self._meta.prefill.append(PrefillWork(req_id, params, list(blocks), num_tokens, completes))
+        if completes:
+            self._prefilling.pop(req_id, None)
+
+    def _collect_prefill(self, scheduler_output: Any) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            sampling = new.sampling_params
+            extra = getattr(sampling, "extra_args", None) or {}
+            params = read_params(extra.get("kv_transfer_params"))
+            if params is None or new.prompt_token_ids is None:
+                continue
+            blocks, num_tokens = list(new.block_ids[0]), len(new.prompt_token_ids)
+            self._prefilling[new.req_id] = (params, blocks, num_tokens)
+            self._prefill_step(
+                new.req_id,
+                params,
+                blocks,
+                num_tokens,
+                new.num_computed_tokens,
+                scheduled.get(new.req_id, 0),
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            entry = self._prefilling.get(req_id)
+            if entry is None:
+                continue
+            params, blocks, num_tokens = entry
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                blocks.extend(new_blocks[0])
+            self._prefill_step(
+                req_id,
+                params,
+                blocks,
+                num_tokens,
+                cached.num_computed_tokens[i],
+                scheduled.get(req_id, 0),
+            )
+
+    def push_finished(self, req_ids: set[str]) -> None:
+        self._awaiting_push.difference_update(req_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_push)
+
+    # ---- both ---------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
+        if not self.is_decode:
+            self._collect_prefill(scheduler_output)
+        meta, self._meta = self._meta, KVPushMetadata()
+        meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        runtime.mark_step(meta.idle_step)
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        self.receive_finished(set(output.finished_recving or ()))
+        self.push_finished(set(output.finished_sending or ()))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        if self.is_decode:
+            self._handled.discard(req_id)
+            params = self._receiving.pop(req_id, None)
+            if params is not None:  # ended while its KV was still on the way
+                self._meta.decode.append(DecodeWork(ReceiveKind.ABORT, req_id, params))
+            return False, None
+        self._prefilling.pop(req_id, None)
+        if not block_ids or read_params(request.kv_transfer_params) is None:
+            return False, None
+        self._awaiting_push.add(req_id)
+        return True, None

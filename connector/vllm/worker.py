@@ -1,0 +1,126 @@
+"""Worker half of ``KVPushConnector``: registers the KV cache with NIXL and drives transfers.
+
+``register_kv_caches`` registers each layer's KV tensor as one NIXL region, starts the side
+channel and a ``Poller`` thread (progress without a NIXL progress thread) and joins the bus. Then,
+every engine step: ``bind`` hands this step's ``KVPushMetadata`` to the prefill or decode side,
+``save_kv_layer`` pushes a layer the moment it is computed (prefill, push mode), and
+``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
+failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
+
+Threading model: vLLM calls every method on its worker thread. The Poller thread only queues
+transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from typing import Any
+
+from kvpush.connector.layout import CompatInfo, pool_layout
+from kvpush.connector.transfer import TransferEvent
+from kvpush.connector.transport import KvTransport, Poller, TransportConfig
+from kvpush.connector.vllm import runtime
+from kvpush.connector.vllm.decode_side import DecodeSide
+from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
+from kvpush.connector.vllm.prefill_side import PrefillSide
+from kvpush.schemas.messages import WorkerRole
+from kvpush.services.bus import BusConfig
+
+log = logging.getLogger(__name__)
+LAYOUT = "vllm-paged-LBHNC"  # one [blocks, kv_heads, block_size, 2*head_dim] tensor per layer
+
+
+class WorkerHalf:
+    def __init__(
+        self, settings: ConnectorSettings, model_id: str, dtype: str, block_size: int
+    ) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.dtype = dtype
+        self.block_size = block_size
+        self.transport: KvTransport | None = None
+        self.poller: Poller | None = None
+        self.bus: runtime.BusThread | None = None
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self._layer_index: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        names = list(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        layout = pool_layout([[kv_caches[name]] for name in names])
+        compat = CompatInfo(
+            model=self.model_id, dtype=self.dtype, block_size=self.block_size, layout=LAYOUT
+        )
+        s = self.settings
+        self.transport = KvTransport(
+            TransportConfig(
+                worker_id=s.worker_id,
+                compat=compat,
+                host=s.side_channel_host,
+                port=s.side_channel_port,
+                advertise_host=s.advertise_host,
+                backend_params={"ucx_error_handling_mode": s.ucx_error_handling_mode},
+            ),
+            layout,
+        )
+        self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=runtime.notify)
+        self.bus = runtime.BusThread.get(BusConfig(url=s.nats_url, name=f"kvpush-{s.worker_id}"))
+        if s.role is WorkerRole.PREFILL:
+            self.prefill = PrefillSide(s, self.transport, self.bus, len(names), self.block_size)
+        else:
+            self.decode = DecodeSide(s, self.transport, self.bus, self.block_size)
+        runtime.info.update(
+            worker_id=s.worker_id,
+            role=s.role.value,
+            side_channel=self.transport.address,
+            compat_hash=self.transport.compat_hash,
+        )
+        log.info(
+            "kvpush %s %s: %d layers registered, side channel %s",
+            s.role.value,
+            s.worker_id,
+            len(names),
+            self.transport.address,
+        )
+
+    def bind(self, meta: KVPushMetadata) -> None:
+        if self.prefill is not None:
+            self.prefill.on_work(meta.prefill)
+        elif self.decode is not None and meta.decode:
+            self.decode.on_work(meta.decode)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.prefill is not None:
+            index = self._layer_index.get(layer_name)
+            if index is not None:
+                self.prefill.on_layer_saved(index)
+
+    def _drain(self) -> list[TransferEvent]:
+        events: list[TransferEvent] = []
+        if self.poller is None:
+            return events
+        while True:
+            try:
+                events.append(self.poller.events.get_nowait())
+            except queue.Empty:
+                return events
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        events = self._drain()
+        if self.prefill is not None:
+            return self.prefill.collect(finished_req_ids, events), set(), set()
+        if self.decode is not None:
+            recving, failed = self.decode.collect(events)
+            return set(), recving, failed
+        return set(), set(), set()
+
+    def shutdown(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        if self.transport is not None:
+            self.transport.close()
+        if self.bus is not None:
+            self.bus.close()

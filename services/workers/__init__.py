@@ -1,0 +1,1 @@
+"""Worker processes: the engine driver (`engine.EngineHost`) and the prefill/decode services."""

@@ -1,0 +1,399 @@
+"""EngineHost: one vLLM sync ``LLMEngine`` in this process, driven by one dedicated thread.
+
+Owns the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``InprocClient`` + uniproc executor, so
+scheduler, model worker and the kvpush connector all run on the engine thread; no IPC, no 1 kHz
+busy loop), one ``RequestHandle`` per live request, and a command queue bounded by
+``max_queued_commands`` (beyond it ``submit``/``abort``/queries raise RuntimeError).
+
+Threading: vLLM objects live on the thread ``kvpush-engine`` only; other threads queue commands
+and set the wake event. The engine thread loops: clear the wake event; run queued commands; if
+there is work (requests unfinished, finished but unreported, or held for a delayed free; or
+``runtime.pending() > 0``) run one ``engine.step()`` and route outputs to handles. With no work
+it blocks on the wake event; after an idle step (no tokens scheduled: e.g. every request waits
+for remote KV) it waits on it for at most ``idle_wait_s``. With a connector the wake event *is*
+``runtime.activity``, so commands and connector events end the same wait, and as it is cleared
+before the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not spins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import types
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+
+from kvpush.schemas.messages import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine is built from; ``cpu_cores`` pins the whole process."""
+
+    model_dir: str
+    max_model_len: int = 4096
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
+    block_size: int = 128
+    enable_prefix_caching: bool = True
+    kv_transfer_config: dict[str, Any] | None = None  # KVTransferConfig kwargs
+    seed: int = 0
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    max_num_seqs: int = 64
+    cpu_cores: list[int] | None = None
+    idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us
+    max_queued_commands: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOutput:
+    """One delta of a request (``finish_reason`` set on the last), or a whole ``result()``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestHandle:
+    """The outputs of one request (at most ``max_tokens + 1`` deltas) for blocking readers
+    (``iter``, ``result``) and asyncio (``async for``, fed by ``loop.call_soon_threadsafe``);
+    ``submitted_at``, ``first_output_at``, ``finished_at`` are ``time.monotonic()`` stamps.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.submitted_at = time.monotonic()
+        self.first_output_at: float | None = None
+        self.finished_at: float | None = None
+        self._cond = threading.Condition()
+        self._outputs: list[EngineOutput] = []
+        self._listeners: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput]]] = []
+
+    def _push(self, output: EngineOutput) -> None:
+        """Engine thread only; anything after the final output is dropped."""
+        with self._cond:
+            if self.finished_at is not None:
+                return
+            now = time.monotonic()
+            self.first_output_at = self.first_output_at or now
+            self.finished_at = now if output.finished else None
+            self._outputs.append(output)
+            self._cond.notify_all()
+            for loop, q in self._listeners:
+                with contextlib.suppress(RuntimeError):  # a closed loop: its reader is gone
+                    loop.call_soon_threadsafe(q.put_nowait, output)
+
+    def __iter__(self) -> Iterator[EngineOutput]:
+        """Blocking iteration over the deltas, ending after the final one."""
+        for seen in itertools.count():
+            with self._cond:
+                self._cond.wait_for(lambda n=seen: len(self._outputs) > n)
+                output = self._outputs[seen]
+            yield output
+            if output.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
+        """``async for output in handle``: deltas delivered on the running loop."""
+        listener = (asyncio.get_running_loop(), asyncio.Queue[EngineOutput]())
+        with self._cond:
+            for output in self._outputs:
+                listener[1].put_nowait(output)
+            self._listeners.append(listener)
+        try:
+            while not (output := await listener[1].get()).finished:
+                yield output
+            yield output
+        finally:
+            with self._cond, contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+    def result(self, timeout: float | None = None) -> EngineOutput:
+        """Wait for the final output (TimeoutError after ``timeout`` s); all deltas joined."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.finished_at is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+            outs = self._outputs
+            return dataclasses.replace(
+                outs[-1],
+                token_ids=[t for o in outs for t in o.token_ids],
+                text="".join(o.text for o in outs),
+                num_cached_tokens=outs[0].num_cached_tokens,
+            )
+
+
+class EngineHost:
+    """A vLLM engine on its own thread; the module docstring describes the loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
+        self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        self._runtime: Any = types.SimpleNamespace(  # the connector's runtime after start()
+            activity=threading.Event(), pending=lambda: 0, last_step_idle=lambda: False
+        )
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._send_lock = threading.Lock()  # orders sends against the final queue drain
+        self._accepting = False
+        self._start_error: BaseException | None = None
+        self._engine: Any = None  # engine thread only, like the block pool
+        self._pool: Any = None
+        self._scheduler: Any = None
+        self._last_executed = True
+        self._step_failures = 0
+        self.steps = 0  # engine steps run, and how many of them were idle
+        self.idle_steps = 0
+
+    def start(self, progress: Callable[[str], None] | None = None, timeout: float = 600.0) -> None:
+        """Build the engine on the engine thread; return when ready, or raise its error."""
+        if self._thread is not None:
+            raise RuntimeError("EngineHost already started")
+        cfg = self.config
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        if cfg.cpu_cores:
+            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND; in process the
+            # affinity set here is what pins (OpenMP threads inherit it from the engine thread).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpu_cores))
+            env["OMP_NUM_THREADS"] = str(len(cfg.cpu_cores))
+            for task in os.listdir("/proc/self/task"):
+                with contextlib.suppress(OSError):  # a thread that exited meanwhile
+                    os.sched_setaffinity(int(task), cfg.cpu_cores)
+        os.environ.update(env)  # before vllm is imported: it reads some of these at import
+        if cfg.kv_transfer_config:
+            self._runtime = importlib.import_module("kvpush.connector.vllm.runtime")
+        report = progress or (lambda _msg: None)
+        self._thread = threading.Thread(target=self._run, args=(report,), name="kvpush-engine")
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"engine not ready after {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+
+    def _build(self, report: Callable[[str], None]) -> None:
+        cfg = self.config
+        started = time.monotonic()
+        report("importing vllm")
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
+        kv_cfg = KVTransferConfig(**cfg.kv_transfer_config) if cfg.kv_transfer_config else None
+        # These EngineConfig fields have the names of EngineArgs fields.
+        names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
+        kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
+        kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg, disable_log_stats=True)
+        engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        core = engine.engine_core.engine_core  # InprocClient -> EngineCore
+        step_fn = core.step_fn
+
+        def step_and_record() -> Any:  # EngineCore.step says whether any token was scheduled
+            outputs, executed = step_fn()
+            self._last_executed = executed
+            return outputs, executed
+
+        core.step_fn = step_and_record
+        self._engine = engine
+        self._scheduler = core.scheduler
+        self._pool = core.scheduler.kv_cache_manager.block_pool
+        blocks = self.total_blocks()
+        report(f"engine ready ({time.monotonic() - started:.1f} s, {blocks} blocks)")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request, shut the engine down, join the thread. Idempotent."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._commands.put(None, timeout=timeout)  # the stop marker, not via _send
+        self._runtime.activity.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("engine thread still running %.0f s after stop", timeout)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; its outputs (or its error, as a final output) arrive on the handle."""
+        handle = RequestHandle(request_id)
+        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
+        self._send(lambda: self._add(handle, request))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its handle gets a final output with finish_reason "abort"."""
+        self._send(lambda: self._abort(request_id, "abort", None))
+
+    def free_blocks(self, timeout: float = 30.0) -> int:
+        """Blocks a new request can get now: free ones plus cached ones nobody references."""
+        return int(self.call(lambda _engine: self._pool.get_num_free_blocks(), timeout))
+
+    def total_blocks(self) -> int:
+        """Usable blocks of the KV pool (vLLM's reserved null block excluded)."""
+        return self._pool.num_gpu_blocks - 1 if self._pool is not None else 0  # a constant
+
+    def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """Drop the prefix cache; False (and a vLLM warning) while any block is in use."""
+        return bool(self.call(lambda engine: engine.reset_prefix_cache(), timeout))
+
+    def call(self, fn: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn(self._engine)
+        return self._send(lambda: fn(self._engine)).result(timeout)
+
+    def _send(self, command: Callable[[], Any]) -> Future[Any]:
+        """Queue ``command`` for the engine thread; the future gets its result or exception."""
+        future: Future[Any] = Future()
+        with self._send_lock:  # commands queued before stop() still run
+            if not self._accepting:
+                raise RuntimeError("EngineHost is not running")
+            try:
+                self._commands.put_nowait((command, future))
+            except queue.Full:
+                raise RuntimeError("EngineHost command queue is full") from None
+        self._runtime.activity.set()
+        return future
+
+    def _run(self, report: Callable[[str], None]) -> None:
+        try:
+            self._build(report)
+            self._accepting = True
+        except BaseException as exc:  # start() raises it
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
+        wake = self._runtime.activity
+        try:
+            while True:
+                wake.clear()  # anything set from here on ends the waits below at once
+                if self._run_commands():
+                    return
+                # has_requests(): also finished-but-unreported and delayed-free requests
+                busy = self._engine.has_unfinished_requests() or self._scheduler.has_requests()
+                if not (busy or self._runtime.pending() > 0):
+                    wake.wait(1.0)
+                elif self._step():
+                    self.idle_steps += 1
+                    wake.wait(self.config.idle_wait_s)
+        except BaseException:
+            log.exception("engine loop crashed")
+        finally:
+            self._shutdown()
+
+    def _run_commands(self) -> bool:
+        """Run every queued command; True when the stop marker came."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            command, future = item
+            try:
+                future.set_result(command())
+            except Exception as exc:
+                log.exception("engine command failed")
+                future.set_exception(exc)
+
+    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        token_ids, cache_salt, sampling, kv_params = request
+        rid = handle.request_id
+        try:
+            if rid in self._handles:
+                raise ValueError("duplicate request_id")
+            params = SamplingParams(  # SamplingSpec's fields are SamplingParams' names
+                **msgspec.structs.asdict(sampling),
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+            )
+            self._engine.add_request(rid, tokens_input(token_ids, cache_salt=cache_salt), params)
+        except Exception as exc:
+            log.warning("request %s rejected: %s", rid, exc)
+            handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
+            return
+        self._handles[rid] = handle
+
+    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
+        if (handle := self._handles.pop(request_id, None)) is not None:
+            try:
+                self._engine.abort_request([request_id])
+            finally:
+                handle._push(EngineOutput(request_id, [], "", reason, error))
+
+    def _step(self) -> bool:
+        """One engine step; True when it was idle (scheduled no tokens, or failed)."""
+        self._last_executed = False
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            self._step_failures += 1
+            log.exception("engine step failed; failing %s", sorted(self._handles))
+            for rid in sorted(self._handles):
+                with contextlib.suppress(Exception):
+                    self._abort(rid, "error", f"engine step failed: {exc!r}")
+            if self._step_failures >= 3:
+                raise  # the engine is broken: stop the host
+            return True
+        self._step_failures = 0
+        self.steps += 1
+        for out in outputs:
+            if handle := self._handles.get(out.request_id):  # None: aborted meanwhile
+                handle._push(_delta(out))
+                if out.finished:
+                    del self._handles[out.request_id]
+        return not self._last_executed or self._runtime.last_step_idle()
+
+    def _shutdown(self) -> None:
+        with self._send_lock:
+            self._accepting = False
+        while self._run_commands():  # commands queued before the stop still run
+            pass
+        for rid in sorted(self._handles):
+            with contextlib.suppress(Exception):
+                self._abort(rid, "abort", "engine stopped")
+        try:
+            self._engine.engine_core.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
+
+
+def _delta(out: Any) -> EngineOutput:
+    """A vLLM ``RequestOutput`` (DELTA kind) as an ``EngineOutput``."""
+    c = out.outputs[0]
+    reason = str(c.finish_reason or "stop") if out.finished else None
+    error = "the engine failed this request" if reason == "error" else None
+    kv, cached = out.kv_transfer_params, out.num_cached_tokens
+    return EngineOutput(out.request_id, list(c.token_ids), c.text, reason, error, kv, cached)

@@ -1,0 +1,106 @@
+"""Integration fixtures: the tiny model and the session's prefill + decode engines.
+
+Engines start once per session (each ~10 s on these machines), pinned to different cores
+(P on core 0, D on core 1), with ``KVPushConnector`` and the session's nats-server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.services import models
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.engine_proc import D_CORES, P_CORES, EngineProc, start_engine
+
+PREFILL_ID = "p0"
+DECODE_ID = "d0"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.build_model(models.TINY, tmp_path_factory.mktemp("models") / "tiny")
+
+
+def connector_config(role: str, worker_id: str, nats_url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.connector.vllm.connector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "worker_id": worker_id,
+            "role": role,
+            "nats_url": nats_url,
+            **extra,
+        },
+    }
+
+
+@pytest.fixture(scope="session")
+def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
+def pd_engines(
+    tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
+) -> Iterator[tuple[EngineProc, EngineProc]]:
+    """The session's prefill (P, core 0) and decode (D, core 1) engines, started in parallel."""
+    url = nats_server.url
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(
+            start_engine,
+            "P",
+            tiny_model,
+            P_CORES,
+            engine_logs,
+            kv_transfer_config=connector_config("prefill", PREFILL_ID, url),
+        )
+        decode = pool.submit(
+            start_engine,
+            "D",
+            tiny_model,
+            D_CORES,
+            engine_logs,
+            kv_transfer_config=connector_config("decode", DECODE_ID, url, transfer_timeout_s=20.0),
+        )
+        engines = (prefill.result(), decode.result())
+    yield engines
+    for engine in engines:
+        engine.stop()
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_leaked_blocks(pd_engines: tuple[EngineProc, EngineProc]) -> Iterator[None]:
+    """Both engines end the test with exactly the free blocks they started with."""
+    start = [engine.free_blocks() for engine in pd_engines]
+    yield
+    for engine, before in zip(pd_engines, start, strict=True):
+        wait_for(
+            lambda e=engine, b=before: e.free_blocks() == b,
+            15.0,
+            f"engine {engine.name} back to {before} free blocks",
+        )
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    """Random prompts, different per test (prefix caches never join two tests by accident)."""
+    return random.Random(request.node.nodeid)
