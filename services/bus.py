@@ -107,7 +107,7 @@ class Bus:
                 bus.stats.dropped += 1
                 bus._warn_limited("slow", "slow consumer on %s: message dropped", exc.subject)
             else:
-                log.warning("nats error: %s", exc)
+                bus._warn_limited("error", "nats error: %s", exc)
 
         async def on_reconnect() -> None:
             if bus is not None:

@@ -141,11 +141,11 @@ class DecodeSide:
     def _receive(self, item: DecodeWork) -> None:
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
-        inc = Incoming(item, time.monotonic() + timeout)
+        inc = Incoming(item, time.monotonic() + timeout, peer=item.params.prefill_address)
         self._by_tid[tid] = inc
         add_pending(1)
         if item.kind is ReceiveKind.PUSH:
-            self.transport.expect(tid, timeout)
+            self.transport.expect(tid, timeout, peer=item.params.prefill_address)
             inc.started = True
             self.bus.publish(
                 subjects.blocks(item.params.prefill_id),
@@ -227,16 +227,17 @@ class DecodeSide:
             for tid, inc in list(self._by_tid.items()):
                 if inc.outcome is None and not inc.started and now > inc.deadline:
                     self._abort(inc, "no KvReady from prefill in time")
+                # P silent after our abort: probe it. A peer we cannot name keeps the blocks
+                # (rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
                 if (
                     inc.outcome is None
+                    and inc.peer
                     and inc.abort_sent_at is not None
                     and not inc.probing
                     and now - inc.abort_sent_at > self.settings.abort_ack_timeout_s
                 ):
-                    peer = inc.peer or inc.work.params.prefill_address
-                    if peer:
-                        inc.probing = True
-                        threading.Thread(target=self._probe, args=(inc, peer), daemon=True).start()
+                    inc.probing = True
+                    threading.Thread(target=self._probe, args=(inc, inc.peer), daemon=True).start()
                 if inc.outcome is None:
                     continue
                 req_id = inc.work.req_id

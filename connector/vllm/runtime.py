@@ -107,6 +107,12 @@ class BusThread:
             return
         self._ready.set()
         self._loop.run_forever()
+        # Stopped by close(): end what the client left running, then close the loop quietly.
+        leftover = asyncio.all_tasks(self._loop)
+        for task in leftover:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        self._loop.close()
 
     def publish(self, subject: str, message: BusMessage) -> Future[None]:
         """Publish from any thread; returns a future (errors are logged, never raised here)."""

@@ -1,0 +1,215 @@
+"""Aborts, deadlines and a prefill engine that dies: blocks are freed on every path, a late WRITE
+never lands in reused blocks, and decode still answers correctly by computing the prompt.
+
+A slow prefill engine ("p1": the connector sleeps 400 ms after each of the tiny model's 2 layers
+of the last prefill step) makes every race window wide enough to hit on purpose. The last test
+kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.schemas import Abort, AbortAck, subjects
+from kvpush.services.bus import Bus, BusConfig
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.conftest import DECODE_ID, connector_config, wait_for
+from tests.integration.engine_proc import P_CORES, EngineProc, start_engine
+from tests.integration.test_connector_vllm import BLOCK, MAX_TOKENS, prompt, reference, request
+
+pytestmark = pytest.mark.engine
+
+SLOW_ID = "p1"
+LAYER_DELAY_S = 0.4
+
+
+@pytest.fixture(scope="module")
+def slow_prefill(
+    tiny_model: Path,
+    nats_server: EmbeddedNats,
+    engine_logs: Path,
+    pd_engines: tuple[EngineProc, EngineProc],
+) -> Iterator[EngineProc]:
+    engine = start_engine(
+        "P-slow",
+        tiny_model,
+        P_CORES,
+        engine_logs,
+        kv_transfer_config=connector_config(
+            "prefill", SLOW_ID, nats_server.url, fault_layer_delay_ms=LAYER_DELAY_S * 1000
+        ),
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture
+def decode(pd_engines: tuple[EngineProc, EngineProc]) -> EngineProc:
+    return pd_engines[1]
+
+
+class Gateway:
+    """Publishes what a gateway would (aborts) and records AbortAcks, from a thread of its own."""
+
+    def __init__(self, url: str) -> None:
+        self.acks: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        threading.Thread(target=self._run, args=(url,), daemon=True).start()
+        assert self._ready.wait(10)
+
+    def _run(self, url: str) -> None:
+        async def start() -> None:
+            self.bus = await Bus.connect(BusConfig(url=url, name="test-gateway"))
+
+            async def on_abort(subject: str, message: Any) -> None:
+                if isinstance(message, AbortAck):
+                    self.acks.append(message.transfer_id)
+
+            await self.bus.subscribe(subjects.abort(DECODE_ID), on_abort)
+            await self.bus.flush()
+
+        self._loop.run_until_complete(start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def abort(self, transfer_id: str, *workers: str) -> None:
+        async def send() -> None:
+            for worker in workers:
+                await self.bus.publish(
+                    subjects.abort(worker), Abort(transfer_id=transfer_id, sender="gw-test")
+                )
+            await self.bus.flush()
+
+        asyncio.run_coroutine_threadsafe(send(), self._loop).result(10)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.bus.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+@pytest.fixture
+def gateway(nats_server: EmbeddedNats) -> Iterator[Gateway]:
+    gw = Gateway(nats_server.url)
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(slow_prefill: EngineProc, decode: EngineProc) -> Iterator[None]:
+    engines = [e for e in (slow_prefill, decode)]
+    start = [e.free_blocks() for e in engines]
+    yield
+    for engine, before in zip(engines, start, strict=True):
+        if engine is slow_prefill and not engine._proc.is_alive():  # killed by the last test
+            continue
+        wait_for(
+            lambda e=engine, b=before: e.free_blocks() == b,
+            15.0,
+            f"engine {engine.name} back to {before} free blocks",
+        )
+
+
+def kv(tid: str, mode: str = "push", **extra: Any) -> dict[str, Any]:
+    return {
+        "kvpush": {
+            "transfer_id": tid,
+            "prefill_id": SLOW_ID,
+            "decode_id": DECODE_ID,
+            "mode": mode,
+            **extra,
+        }
+    }
+
+
+def new_tid() -> str:
+    return f"tx-f-{uuid.uuid4().hex[:12]}"
+
+
+def test_abort_before_announcement_frees_prefill_blocks_at_once(
+    slow_prefill: EngineProc, gateway: Gateway, rng: random.Random
+) -> None:
+    tid = new_tid()
+    before = slow_prefill.free_blocks()
+    slow_prefill.submit([request(f"p-{tid}", prompt(rng, 3 * BLOCK), 1, kv(tid))])
+    wait_for(lambda: slow_prefill.free_blocks() < before, 5.0, "prefill holding blocks")
+    gateway.abort(tid, SLOW_ID)
+    started = time.monotonic()
+    (out,) = slow_prefill.collect([f"p-{tid}"])
+    wait_for(lambda: slow_prefill.free_blocks() == before, 5.0, "prefill blocks freed")
+    assert time.monotonic() - started < 5.0  # the abort, not the 30 s transfer deadline
+    assert out["error"] is None
+    wait_for(lambda: tid in gateway.acks, 5.0, "AbortAck to decode")
+
+
+def test_prefill_without_announcement_gives_up_at_the_deadline(
+    slow_prefill: EngineProc, rng: random.Random
+) -> None:
+    tid = new_tid()
+    deadline_ms = int((time.time() + 2.0) * 1000)
+    (out,) = slow_prefill.generate(
+        [request(f"p-{tid}", prompt(rng, 2 * BLOCK), 1, kv(tid, deadline_ms=deadline_ms))]
+    )
+    assert out["error"] is None  # the block release is checked by no_leaked_blocks
+
+
+@pytest.mark.parametrize(
+    "abort_after_s", [0.2, LAYER_DELAY_S + 0.2], ids=["after-announcement", "during-push"]
+)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_abort_mid_transfer_frees_both_sides_and_no_late_write_lands(
+    slow_prefill: EngineProc,
+    decode: EngineProc,
+    gateway: Gateway,
+    rng: random.Random,
+    abort_after_s: float,
+    mode: str,
+) -> None:
+    tid = new_tid()
+    ids = prompt(rng, 3 * BLOCK + 10)
+    decode.submit([request(f"d-{tid}", ids, kv=kv(tid, mode), salt=tid)])
+    time.sleep(0.1)  # D has announced (push) / is waiting for KvReady (pull)
+    slow_prefill.submit([request(f"p-{tid}", ids, 1, kv(tid, mode))])
+    time.sleep(abort_after_s)
+    gateway.abort(tid, SLOW_ID, DECODE_ID)
+    decode.abort(f"d-{tid}")
+    # Reuse D's blocks at once with other prompts: a late WRITE of the aborted transfer would
+    # corrupt them while P's remaining layers are still being computed.
+    others = [prompt(rng, 3 * BLOCK + 10) for _ in range(3)]
+    expected = [reference(decode, other) for other in others]
+    (d_out,) = decode.collect([f"d-{tid}"])
+    assert d_out["finish_reason"] in ("abort", "length")
+    slow_prefill.collect([f"p-{tid}"])
+    time.sleep(LAYER_DELAY_S * 2)  # P's last layer would have been written by now
+    assert [reference(decode, other) for other in others] == expected
+
+
+def test_decode_falls_back_when_prefill_dies_mid_way(
+    slow_prefill: EngineProc, decode: EngineProc, rng: random.Random
+) -> None:
+    """P is killed while computing; D's transfer expires, P never acks, D's probe finds P gone,
+    D computes the prompt itself and answers token-exact. Must run last: it kills P-slow."""
+    tid = new_tid()
+    ids = prompt(rng, 2 * BLOCK + 50)
+    expected = reference(decode, ids)
+    address = slow_prefill.connector_info["side_channel"]
+    deadline_ms = int((time.time() + 2.5) * 1000)
+    params = kv(tid, deadline_ms=deadline_ms, prefill_address=address)
+    decode.submit([request(f"d-{tid}", ids, kv=params, salt=tid)])
+    time.sleep(0.1)
+    slow_prefill.submit([request(f"p-{tid}", ids, 1, params)])
+    time.sleep(0.2)
+    slow_prefill.kill()
+    (d_out,) = decode.collect([f"d-{tid}"], timeout=60)
+    assert d_out["error"] is None
+    assert d_out["token_ids"] == expected
+    assert len(d_out["token_ids"]) == MAX_TOKENS
