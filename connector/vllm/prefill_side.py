@@ -209,8 +209,15 @@ class PrefillSide:
             return
         if out.started:
             self.transport.abort(out.params.transfer_id, detail)  # ack once quiesced
+            if out.params.mode is TransferMode.PULL:
+                self._release_read_blocks(out)
         else:
             self._settle(out, TransferState.ABORTED)
+
+    def _release_read_blocks(self, out: Outgoing) -> None:
+        """Pull: D only READs our blocks, so nothing can land in them; once the transfer is over
+        (aborted, or D never came to read in time) they may go without D's notice."""
+        self.transport.acknowledged(out.params.transfer_id)
 
     def _fail(self, out: Outgoing, reason: FailReason, detail: str) -> None:
         log.warning(
@@ -270,7 +277,11 @@ class PrefillSide:
         with self.lock:
             for event in events:
                 out = self._by_tid.get(event.transfer_id)
-                if out is None or not event.quiesced:
+                if out is None:
+                    continue
+                if not event.quiesced:
+                    if out.params.mode is TransferMode.PULL:
+                        self._release_read_blocks(out)
                     continue
                 self._settle(out, event.state, event.reason, event.detail, event)
             now = time.monotonic()
