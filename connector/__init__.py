@@ -15,9 +15,10 @@ from kvpush.connector.layout import (
     pool_layout,
     runs_to_ids,
 )
+from kvpush.connector.poller import Poller
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
 from kvpush.connector.transfer import Role, TransferEvent, TransferState
-from kvpush.connector.transport import KvTransport, Poller, TransportConfig
+from kvpush.connector.transport import KvTransport, TransportConfig
 
 __all__ = [
     "AgentError",

@@ -22,17 +22,14 @@ engine's worker) and a ``Poller`` thread may both call in; NIXL is entered only 
 ``poll()`` drives NIXL progress (request status, notifications): there is no NIXL progress
 thread. Handshakes run on the peer cache's fetch threads; ``poll()`` (or the blocking
 ``connect``) installs their result into NIXL. The side-channel server thread never touches NIXL.
-``Poller`` calls ``poll()`` every ``busy_interval_s`` while transfers are active and every
-``idle_interval_s`` otherwise (an idle decode engine costs ~nothing); ``wake()`` cuts a sleep
-short. Its events go to a bounded queue; when the queue is full the poller stops polling until
-the owner drains it (nothing is dropped).
+``Poller`` (poller.py) calls ``poll()`` as often as ``poll_interval`` says; every post, expect,
+abort and acknowledgement wakes it through ``on_change``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +127,7 @@ class KvTransport:
             self._agent.close()
             raise
         self._peers = PeerCache(config.compat, self.agent_name, config.handshake_timeout_s)
+        self.on_change: Callable[[], None] | None = None  # set by a Poller: wake it up
 
     # ---- peers ------------------------------------------------------------------------------
     def connect(
@@ -229,9 +227,11 @@ class KvTransport:
         peer_epoch: int | None = None,
     ) -> TransferState:
         """WRITE ``local_runs`` into the peer's announced ``remote_runs`` (same token order)."""
-        return self._start(
+        state = self._start(
             Role.PUSH, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
         )
+        self._changed()
+        return state
 
     def start_pull(
         self,
@@ -251,7 +251,14 @@ class KvTransport:
             for group in layer_groups or [range(self.layout.num_layers)]:
                 self._engine.push_layers(transfer_id, group)
             self._engine.finish(transfer_id)
-            return self._engine.get(transfer_id).state
+            state = self._engine.get(transfer_id).state
+        self._changed()
+        return state
+
+    def _changed(self) -> None:
+        """Something needs progress soon: cut the Poller's sleep short."""
+        if self.on_change is not None:
+            self.on_change()
 
     def _start(
         self,
@@ -278,22 +285,27 @@ class KvTransport:
         with self._lock:
             self._check_open()
             self._engine.expect(transfer_id, timeout_s, peer)
+        self._changed()
 
     def push_layers(self, transfer_id: str, layers: Sequence[int]) -> bool:
         """Post one request for ``layers``; False if the transfer no longer accepts posts
         (aborted, failed, expired, finished). KeyError for an id never started."""
         with self._lock:
-            return self._engine.push_layers(transfer_id, layers)
+            posted = self._engine.push_layers(transfer_id, layers)
+        self._changed()
+        return posted
 
     def finish(self, transfer_id: str) -> None:
         """No more layers: the completion notice goes out once every request is DONE."""
         with self._lock:
             self._engine.finish(transfer_id)
+        self._changed()
 
     def abort(self, transfer_id: str, detail: str = "") -> None:
         """Stop posting. The ABORTED event (quiesced) is the acknowledgement."""
         with self._lock:
             self._engine.abort(transfer_id, detail)
+        self._changed()
 
     def fail(self, transfer_id: str, reason: FailReason, detail: str = "") -> None:
         """Fail a transfer from outside (prefill failed, KvFailed arrived). A target stays
@@ -306,6 +318,7 @@ class KvTransport:
         transfer is or will be in flight; same effect as its ``aborted`` notice."""
         with self._lock:
             self._engine.acknowledged(transfer_id)
+        self._changed()
 
     def poll(self) -> list[TransferEvent]:
         """Drive NIXL, advance every transfer, return what happened (terminal/quiesced)."""
@@ -326,6 +339,21 @@ class KvTransport:
     def active(self) -> int:
         with self._lock:
             return len(self._engine.transfers)
+
+    def poll_interval(self, busy_s: float, target_s: float, idle_s: float) -> float:
+        """How soon progress is needed: ``busy_s`` while NIXL requests are live or a handshake
+        is pending, ``target_s`` while a notice is expected, ``idle_s`` otherwise (e.g. a push
+        waiting for its next layer: polling then would only steal the engine's core)."""
+        with self._lock:
+            if self._agent.live_handles:
+                return busy_s
+            wait = idle_s
+            for t in self._engine.transfers.values():
+                if t.initiator and t.state is TransferState.WAITING_PEER:
+                    return busy_s
+                if not t.initiator and not t.state.terminal:
+                    wait = target_s
+            return wait
 
     @property
     def live_handles(self) -> int:
@@ -353,49 +381,3 @@ class KvTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class Poller:
-    """Calls ``transport.poll()`` from its own thread; events land in a bounded queue."""
-
-    def __init__(
-        self,
-        transport: KvTransport,
-        busy_interval_s: float = 0.0002,
-        idle_interval_s: float = 0.02,
-        max_events: int = 4096,
-        on_events: Callable[[], None] | None = None,
-    ) -> None:
-        self.transport = transport
-        self.on_events = on_events  # called on the poller thread after events were queued
-        self.busy_interval_s = busy_interval_s
-        self.idle_interval_s = idle_interval_s
-        self.events: queue.Queue[TransferEvent] = queue.Queue(maxsize=max_events)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvpush-poller", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            events = self.transport.poll()
-            for event in events:
-                while not self._stop.is_set():  # full queue: wait for the owner, drop nothing
-                    try:
-                        self.events.put(event, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-            if events and self.on_events is not None:
-                self.on_events()
-            busy = self.transport.active() > 0
-            self._wake.wait(self.busy_interval_s if busy else self.idle_interval_s)
-            self._wake.clear()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=2.0)

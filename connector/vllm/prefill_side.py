@@ -125,17 +125,20 @@ class PrefillSide:
                     self._completing.append(out)
                     self._maybe_start(out)
 
-    def on_layer_saved(self, layer: int) -> None:
+    def on_layer_saved(self, layer: int) -> bool:
+        """Layer ``layer`` of this step is computed; True if WRITEs were posted for it."""
         if not self._completing:
-            return
+            return False
         if self.settings.fault_layer_delay_ms:
             time.sleep(self.settings.fault_layer_delay_ms / 1000.0)
+        posted = False
         with self.lock:
             for out in self._completing:
                 out.computed.add(layer)
                 if out.started and out.params.mode is TransferMode.PUSH:
-                    self.transport.push_layers(out.params.transfer_id, [layer])
+                    posted |= self.transport.push_layers(out.params.transfer_id, [layer])
                 self._maybe_finish(out)
+        return posted
 
     def _maybe_start(self, out: Outgoing) -> None:
         if out.started or out.outcome is not None:

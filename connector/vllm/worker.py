@@ -18,8 +18,9 @@ import queue
 from typing import Any
 
 from kvpush.connector.layout import CompatInfo, pool_layout
+from kvpush.connector.poller import Poller
 from kvpush.connector.transfer import TransferEvent
-from kvpush.connector.transport import KvTransport, Poller, TransportConfig
+from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm import runtime
 from kvpush.connector.vllm.decode_side import DecodeSide
 from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
@@ -94,8 +95,8 @@ class WorkerHalf:
     def save_kv_layer(self, layer_name: str) -> None:
         if self.prefill is not None:
             index = self._layer_index.get(layer_name)
-            if index is not None:
-                self.prefill.on_layer_saved(index)
+            if index is not None and self.prefill.on_layer_saved(index) and self.poller:
+                self.poller.wake()  # WRITEs posted: poll them to completion now
 
     def _drain(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from kvpush.connector.layout import pair_runs, runs_to_ids
+from kvpush.connector.poller import Poller
 from kvpush.connector.sidechannel import IncompatiblePeerError
 from kvpush.connector.transfer import Role, TransferEvent, TransferState
-from kvpush.connector.transport import KvTransport, Poller
+from kvpush.connector.transport import KvTransport
 from kvpush.schemas.messages import FailReason
 from tests.integration.transport_peer import PeerProcess, PoolSpec, make_transport
 

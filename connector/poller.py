@@ -1,0 +1,71 @@
+"""``Poller``: drives a ``KvTransport`` from its own thread (there is no NIXL progress thread).
+
+It calls ``transport.poll()`` and sleeps as long as ``transport.poll_interval`` allows: busy
+(``busy_interval_s``) while NIXL requests are live or a handshake is pending, ``target_interval_s``
+while a completion notice is expected, ``idle_interval_s`` otherwise, so a push waiting for its
+next layer does not steal the engine's core. The transport wakes it on every post, expect, abort
+or acknowledgement (``transport.on_change``). Events go to a bounded queue; when it is full the
+poller stops polling until the owner drains it (nothing is dropped); ``on_events`` is called on
+the poller thread after new events were queued.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from kvpush.connector.transfer import TransferEvent
+from kvpush.connector.transport import KvTransport
+
+
+class Poller:
+    """Calls ``transport.poll()`` from its own thread; events land in a bounded queue."""
+
+    def __init__(
+        self,
+        transport: KvTransport,
+        busy_interval_s: float = 0.0002,
+        idle_interval_s: float = 0.02,
+        target_interval_s: float = 0.001,
+        max_events: int = 4096,
+        on_events: Callable[[], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.on_events = on_events  # called on the poller thread after events were queued
+        transport.on_change = self.wake
+        self.busy_interval_s = busy_interval_s
+        self.idle_interval_s = idle_interval_s
+        self.target_interval_s = target_interval_s
+        self.events: queue.Queue[TransferEvent] = queue.Queue(maxsize=max_events)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpush-poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            events = self.transport.poll()
+            for event in events:
+                while not self._stop.is_set():  # full queue: wait for the owner, drop nothing
+                    try:
+                        self.events.put(event, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+            if events and self.on_events is not None:
+                self.on_events()
+            self._wake.wait(
+                self.transport.poll_interval(
+                    self.busy_interval_s, self.target_interval_s, self.idle_interval_s
+                )
+            )
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2.0)
