@@ -1,0 +1,23 @@
+"""kvpush gateway: OpenAI-compatible HTTP in front of prefill/decode workers on NATS.
+
+``app`` (config, lifecycle, CLI entry points), ``model`` (tokenizer, name, context length),
+``handlers`` (endpoints, auth, errors), ``flow`` (one request's life), ``openai_api``
+(parsing, validation, response shapes), ``routing`` (worker registry, P/D and mode choice),
+``streaming`` (token chunks back from decode workers), ``metrics`` (Prometheus).
+
+Threading model: one asyncio loop per gateway; tokenization on one dedicated thread.
+"""
+
+from kvpush.services.gateway.app import Gateway, GatewayConfig, add_arguments, main, serve
+from kvpush.services.gateway.model import ConfigError, ModelInfo, load_model
+
+__all__ = [
+    "ConfigError",
+    "Gateway",
+    "GatewayConfig",
+    "ModelInfo",
+    "add_arguments",
+    "load_model",
+    "main",
+    "serve",
+]

@@ -1,0 +1,203 @@
+"""HTTP handlers and per-gateway request state: auth, OpenAI error bodies, endpoints.
+
+``GatewayApi`` owns the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/ready``, ``/metrics``), one middleware (Bearer API keys on ``/v1/*``; every
+error, including aiohttp's own 404/405/413, answered as OpenAI error JSON; any unexpected
+exception logged and answered as a bare 500, never a stack trace; request counts), the
+in-flight bound (429) and draining flag (503), tokenization on one dedicated thread, and abort
+publishing. The generation flow itself is ``flow.RequestFlow``.
+
+Threading model: every handler runs on the gateway's event loop; the tokenizer runs on the
+single ``kvpush-tokenize`` thread (HF fast tokenizers must not be used by two threads at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import Abort
+from kvpush.services.bus import Bus
+from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.flow import RequestFlow, json_response
+from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kvpush.services.gateway.routing import Route, Router
+from kvpush.services.gateway.streaming import TokenStreams
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.app import GatewayConfig
+    from kvpush.services.gateway.model import ModelInfo
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvpush.gateway")
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+
+
+class GatewayApi:
+    """Handlers plus the per-gateway request state (in-flight count, draining flag)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        model: ModelInfo,
+        bus: Bus,
+        router: Router,
+        streams: TokenStreams,
+        metrics: GatewayMetrics,
+        spawn: Callable[[Awaitable[None]], None],
+    ) -> None:
+        self.config, self.model, self.bus, self.router = config, model, bus, router
+        self.streams, self.metrics, self.spawn = streams, metrics, spawn
+        self.in_flight = 0
+        self.draining = False
+        self.started = int(time.time())
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.middlewares.append(self.middleware)
+
+    # ---- cross-cutting: auth, OpenAI error bodies, request counts ---------------------------
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        status = 500
+        try:
+            if request.path.startswith("/v1/") and self.config.api_keys:
+                self._authorize(request)
+            response = await handler(request)
+            status = response.status
+            return response
+        except api.ApiError as exc:
+            status = exc.status
+            return json_response(exc.body(), exc.status)
+        except web.HTTPException as exc:  # unknown route (404), method (405), too large (413)
+            status = exc.status
+            if exc.status == 413:
+                message = f"request body too large (limit {self.config.max_body_bytes} bytes)"
+            else:
+                message = exc.reason
+            return json_response(api.error_body(message, "invalid_request_error"), exc.status)
+        except (asyncio.CancelledError, ConnectionError):
+            status = 499  # client closed the connection
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.path)
+            body = api.error_body("internal server error", "internal_error", code=500)
+            return json_response(body, 500)
+        finally:
+            path = request.path if request.path in ROUTES else "other"
+            if path != "other" or status >= 400:
+                self.metrics.requests.labels(path, str(status)).inc()
+
+    def _authorize(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip().encode()
+        if scheme.lower() == "bearer" and token:
+            matches = [hmac.compare_digest(token, key.encode()) for key in self.config.api_keys]
+            if any(matches):
+                return
+        raise api.ApiError(
+            401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key"
+        )
+
+    # ---- plain endpoints -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return json_response({"status": "ok", "gateway_id": self.config.gateway_id})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        counts = self.router.registry.counts()
+        missing = [f"no live {role} worker" for role, n in counts.items() if n == 0]
+        if not self.bus.is_connected:
+            missing.append("not connected to NATS")
+        if self.draining:
+            missing.append("gateway is shutting down")
+        body = {
+            "ready": not missing,
+            "missing": missing,
+            "workers": counts,
+            "gateway_id": self.config.gateway_id,
+            "model": self.model.served_name,
+        }
+        return json_response(body, 503 if missing else 200)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model.served_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "kvpush",
+            "root": self.model.path,
+            "max_model_len": self.model.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    # ---- generation ------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, api.Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, api.Endpoint.CHAT)
+
+    async def _generate(self, request: web.Request, endpoint: api.Endpoint) -> web.StreamResponse:
+        if self.draining:
+            raise api.ApiError(503, "the gateway is shutting down", type_="service_unavailable")
+        if self.in_flight >= self.config.max_inflight:
+            raise api.ApiError(
+                429,
+                f"too many requests in flight (limit {self.config.max_inflight}); retry later",
+                type_="rate_limit_error",
+                code="rate_limit_exceeded",
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
+            attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
+            with _tracer.start_as_current_span(
+                "gateway.request", kind=SpanKind.SERVER, attributes=attributes
+            ) as span:
+                return await RequestFlow(self, request, endpoint, span).run()
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def tokenize(self, parsed: api.ParsedRequest) -> list[int]:
+        args = (parsed, self.model.tokenizer, self.model.vocab_size)
+        if isinstance(parsed.prompt, list):
+            return api.prompt_token_ids(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, api.prompt_token_ids, *args)
+
+    async def abort(self, route: Route, transfer_id: str, reason: str, *, decode: bool) -> None:
+        message = Abort(transfer_id=transfer_id, sender=self.config.gateway_id, reason=reason)
+        targets = [route.prefill_id] if route.prefill_epoch is not None else []
+        targets += [route.decode_id] if decode else []
+        for worker in targets:
+            try:
+                await self.bus.publish(subjects.abort(worker), message)
+            except Exception as exc:
+                log.warning("abort of %s to %s not sent: %r", transfer_id, worker, exc)

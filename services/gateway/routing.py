@@ -1,0 +1,228 @@
+"""Worker registry (fed by heartbeats) and the routing policy: which P, which D, which mode.
+
+``WorkerRegistry`` keeps the last ``WorkerHeartbeat`` of each worker seen on
+``kvpush.v1.heartbeat.>``. A worker is *alive* while its heartbeats keep arriving within
+``lease_s`` (default 3 s: three missed 1 s heartbeats); expired entries are pruned on the next
+look-up. A *draining* worker stays alive (its in-flight requests finish) but gets no new work
+and does not count for readiness. A heartbeat with a new epoch means the worker restarted:
+requests routed to an older epoch are lost there (``Gateway`` fails them at once).
+
+Selection is least-loaded, per role: load = the heartbeat's ``in_flight + queue_depth`` plus the
+requests this gateway sent to the worker since that heartbeat (so a burst between two
+heartbeats spreads instead of piling onto one worker); decode ties prefer more free blocks;
+remaining ties go to the least recently picked worker.
+
+``Router.route`` picks the mode first: a per-request ``kvpush_mode`` wins; otherwise prompts
+shorter than ``local_threshold`` tokens go LOCAL (only D works), the rest use the deployment's
+mode (push or pull). LOCAL still publishes on ``req.<P>.<D>`` with a live P (which ignores it)
+or, with no prefill worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
+
+Bounds: at most ``max_workers`` entries; heartbeats of further workers are dropped and counted.
+Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
+no locks, no awaits inside a selection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from kvpush.schemas.codec import BusMessage
+from kvpush.schemas.messages import TransferMode, WorkerHeartbeat, WorkerRole
+
+log = logging.getLogger(__name__)
+
+DECODE_ONLY: Final = "_"
+"""Prefill id of a LOCAL request published while no prefill worker is alive."""
+
+
+@dataclass
+class WorkerState:
+    heartbeat: WorkerHeartbeat
+    seen_at: float  # monotonic time the last heartbeat arrived
+    sent_since_heartbeat: int = 0
+    last_pick: float = 0.0
+
+    @property
+    def load(self) -> int:
+        hb = self.heartbeat
+        return hb.in_flight + hb.queue_depth + self.sent_since_heartbeat
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill_id: str
+    decode_id: str
+    mode: TransferMode
+    decode_epoch: int
+    prefill_epoch: int | None = None  # None: no real prefill worker takes part
+
+
+class NoWorkerError(LookupError):
+    """No live, non-draining worker of ``role``."""
+
+    def __init__(self, role: WorkerRole) -> None:
+        super().__init__(f"no {role.value} worker is available")
+        self.role = role
+
+
+@dataclass
+class RegistryStats:
+    heartbeats: int = 0
+    rejected: int = 0  # over max_workers
+    expired: int = 0
+    restarts: int = 0
+    model_mismatch: set[str] = field(default_factory=set)
+
+
+class WorkerRegistry:
+    """Live workers by role; see the module docstring."""
+
+    def __init__(
+        self,
+        lease_s: float = 3.0,
+        *,
+        model: str | None = None,
+        max_workers: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lease_s = lease_s
+        self.model = model
+        self.max_workers = max_workers
+        self.stats = RegistryStats()
+        self._clock = clock
+        self._workers: dict[tuple[WorkerRole, str], WorkerState] = {}
+
+    async def on_message(self, subject: str, message: BusMessage) -> None:
+        """Bus handler for ``kvpush.v1.heartbeat.>``."""
+        if isinstance(message, WorkerHeartbeat):
+            self.observe(message)
+
+    def observe(self, hb: WorkerHeartbeat) -> None:
+        self.stats.heartbeats += 1
+        key = (hb.role, hb.worker_id)
+        state = self._workers.get(key)
+        now = self._clock()
+        if state is None:
+            if len(self._workers) >= self.max_workers:
+                self._prune(now)
+                if len(self._workers) >= self.max_workers:
+                    self.stats.rejected += 1
+                    return
+            log.info("worker %s/%s joined (epoch %d)", hb.role.value, hb.worker_id, hb.epoch)
+            if (
+                self.model
+                and hb.model != self.model
+                and hb.worker_id not in self.stats.model_mismatch
+            ):
+                self.stats.model_mismatch.add(hb.worker_id)
+                log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
+            self._workers[key] = WorkerState(hb, now)
+            return
+        if hb.epoch < state.heartbeat.epoch:
+            return  # a late heartbeat of a previous incarnation
+        if hb.epoch > state.heartbeat.epoch:
+            self.stats.restarts += 1
+            log.warning("worker %s restarted (epoch %d)", hb.worker_id, hb.epoch)
+        state.heartbeat, state.seen_at, state.sent_since_heartbeat = hb, now, 0
+
+    def _prune(self, now: float) -> None:
+        for key in [k for k, s in self._workers.items() if now - s.seen_at > self.lease_s]:
+            del self._workers[key]
+            self.stats.expired += 1
+            log.warning("worker %s/%s lost: no heartbeat for %.1f s", *key, self.lease_s)
+
+    def alive(self, role: WorkerRole, *, include_draining: bool = False) -> list[WorkerState]:
+        self._prune(self._clock())
+        return [
+            s
+            for (r, _), s in self._workers.items()
+            if r is role and (include_draining or not s.heartbeat.draining)
+        ]
+
+    def epoch(self, role: WorkerRole, worker_id: str) -> int | None:
+        """The live worker's epoch, or None if it is gone (lease expired)."""
+        state = self._workers.get((role, worker_id))
+        if state is None or self._clock() - state.seen_at > self.lease_s:
+            return None
+        return state.heartbeat.epoch
+
+    def pick(self, role: WorkerRole, *, count: bool = True) -> WorkerState:
+        candidates = self.alive(role)
+        if not candidates:
+            raise NoWorkerError(role)
+        if role is WorkerRole.DECODE:
+            best = min(candidates, key=lambda s: (s.load, -s.heartbeat.free_blocks, s.last_pick))
+        else:
+            best = min(candidates, key=lambda s: (s.load, s.last_pick))
+        best.last_pick = self._clock()
+        if count:
+            best.sent_since_heartbeat += 1
+        return best
+
+    def counts(self) -> dict[str, int]:
+        return {role.value: len(self.alive(role)) for role in WorkerRole}
+
+    def describe(self) -> list[dict[str, object]]:
+        now = self._clock()
+        self._prune(now)
+        return [
+            {
+                "worker_id": s.heartbeat.worker_id,
+                "role": s.heartbeat.role.value,
+                "epoch": s.heartbeat.epoch,
+                "load": s.load,
+                "free_blocks": s.heartbeat.free_blocks,
+                "draining": s.heartbeat.draining,
+                "last_seen_s": round(now - s.seen_at, 3),
+            }
+            for s in self._workers.values()
+        ]
+
+
+class Router:
+    """Mode choice and P/D selection; see the module docstring."""
+
+    def __init__(
+        self, registry: WorkerRegistry, default_mode: TransferMode, local_threshold: int
+    ) -> None:
+        if default_mode is TransferMode.LOCAL:
+            raise ValueError("the deployment mode is push or pull; LOCAL is chosen per request")
+        self.registry = registry
+        self.default_mode = default_mode
+        self.local_threshold = local_threshold
+
+    def mode_for(self, prompt_tokens: int, requested: TransferMode | None) -> TransferMode:
+        if requested is not None:
+            return requested
+        if prompt_tokens < self.local_threshold:
+            return TransferMode.LOCAL
+        return self.default_mode
+
+    def route(self, prompt_tokens: int, requested: TransferMode | None = None) -> Route:
+        """Choose mode, D and P; raise ``NoWorkerError`` when a needed role has no worker."""
+        mode = self.mode_for(prompt_tokens, requested)
+        if mode is not TransferMode.LOCAL and not self.registry.alive(WorkerRole.PREFILL):
+            raise NoWorkerError(WorkerRole.PREFILL)
+        decode = self.registry.pick(WorkerRole.DECODE)
+        if mode is TransferMode.LOCAL:
+            try:  # any live P carries the subject; it ignores LOCAL requests, so no load
+                prefill = self.registry.pick(WorkerRole.PREFILL, count=False)
+            except NoWorkerError:
+                return Route(DECODE_ONLY, decode.heartbeat.worker_id, mode, decode.heartbeat.epoch)
+        else:
+            prefill = self.registry.pick(WorkerRole.PREFILL)
+        return Route(
+            prefill.heartbeat.worker_id,
+            decode.heartbeat.worker_id,
+            mode,
+            decode.heartbeat.epoch,
+            prefill.heartbeat.epoch if mode is not TransferMode.LOCAL else None,
+        )
+
+    def still_serving(self, route: Route) -> bool:
+        """False once the decode worker of ``route`` died or restarted (its work is lost)."""
+        return self.registry.epoch(WorkerRole.DECODE, route.decode_id) == route.decode_epoch

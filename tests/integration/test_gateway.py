@@ -1,0 +1,269 @@
+"""The gateway over HTTP against fake prefill/decode workers on the real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.schemas.messages import FinishReason, TransferMode, WorkerRole
+from kvpush.services.bus import Bus
+from kvpush.services.gateway.routing import DECODE_ONLY
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.gateway_fakes import (
+    FakeWorker,
+    Stack,
+    Stacks,
+    chunk,
+    sse_events,
+    wait_until,
+    write_model_dir,
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("gateway-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture
+async def stack(bus: Bus, model_dir: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    async with Stacks(bus, model_dir, nats_server.url) as make:
+        yield make
+
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+async def test_completion_answers_openai_json_and_publishes_one_event_to_p_and_d(
+    stack: StackFactory, tokenizer: Any
+) -> None:
+    s = await stack()
+    body = {
+        "model": "kvpush-tiny",
+        "prompt": "hello there world",
+        "max_tokens": 4,
+        "temperature": 0,
+        "seed": 7,
+        "stop": ["zz"],
+        "ignore_eos": True,
+        "min_tokens": 2,
+    }
+    before_ms = time.time() * 1000
+    status, answer = await s.post("/v1/completions", body)
+    assert status == 200, answer
+    assert answer["object"] == "text_completion" and answer["model"] == "kvpush-tiny"
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", answer["id"])
+    assert answer["choices"] == [
+        {"index": 0, "text": " w0 w1 w2 w3", "logprobs": None, "finish_reason": "length"}
+    ]
+    prompt_ids = tokenizer("hello there world")["input_ids"]
+    assert prompt_ids[0] == tokenizer.bos_token_id
+    assert answer["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 4,
+        "total_tokens": len(prompt_ids) + 4,
+    }
+    [event] = s.decode.events
+    assert s.prefill.events == [event]  # one publish on req.<P>.<D> reached both
+    assert (event.prefill_id, event.decode_id) == (s.prefill.worker_id, s.decode.worker_id)
+    assert event.request_id == answer["id"] and event.prompt_token_ids == prompt_ids
+    assert re.fullmatch(r"[A-Za-z0-9_-]{8,64}", event.transfer_id)
+    assert event.reply_subject == f"kvpush.v1.tokens.{s.gateway.config.gateway_id}"
+    assert event.model == "kvpush-tiny" and event.stream is False
+    assert event.mode is TransferMode.LOCAL  # 4 tokens < local_threshold 256
+    sampling = event.sampling
+    assert (sampling.max_tokens, sampling.min_tokens, sampling.temperature) == (4, 2, 0.0)
+    assert (sampling.seed, sampling.stop, sampling.ignore_eos) == (7, ["zz"], True)
+    assert before_ms + 9_000 < event.deadline_ms < time.time() * 1000 + 10_500
+
+
+async def test_chat_stream_sends_role_first_deltas_usage_and_done(
+    stack: StackFactory, tokenizer: Any
+) -> None:
+    s = await stack()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    body = {
+        "messages": messages,
+        "max_completion_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, text = await s.post("/v1/chat/completions", body)
+    assert status == 200
+    events = sse_events(text)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("chatcmpl-")
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": " w0"}
+    assert [d["content"] for d in deltas[1:]] == [" w1", " w2"]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert expected.count(tokenizer.bos_token_id) == 1
+    assert s.decode.events[0].prompt_token_ids == expected and s.decode.events[0].stream
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    assert events[-1]["usage"]["prompt_tokens"] == len(expected)
+
+
+async def test_token_id_prompts_are_sent_verbatim_and_checked_against_the_vocab(
+    stack: StackFactory,
+) -> None:
+    s = await stack()
+    status, _ = await s.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1})
+    assert status == 200 and s.decode.events[0].prompt_token_ids == [5, 6, 7]
+    status, error = await s.post("/v1/completions", {"prompt": [5, 4096]})
+    assert status == 400 and error["error"]["param"] == "prompt"
+
+
+async def test_short_prompts_go_local_long_ones_use_the_mode_and_requests_may_override(
+    stack: StackFactory,
+) -> None:
+    s = await stack(local_threshold=8)
+    long_prompt = list(range(1, 21))
+    for body in (
+        {"prompt": "hi"},
+        {"prompt": long_prompt},
+        {"prompt": long_prompt, "kvpush_mode": "pull"},
+        {"prompt": "hi", "kvpush_mode": "push"},
+    ):
+        status, answer = await s.post("/v1/completions", {**body, "max_tokens": 1})
+        assert status == 200, answer
+    await asyncio.sleep(0.1)
+    assert not s.prefill.aborts and not s.decode.aborts  # finished requests are not aborted
+    modes = [e.mode for e in s.decode.events]
+    assert modes == [TransferMode.LOCAL, TransferMode.PUSH, TransferMode.PULL, TransferMode.PUSH]
+    pull = await stack(mode=TransferMode.PULL, local_threshold=0, share=s)
+    assert (await pull.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}))[0] == 200
+    assert s.decode.events[-1].mode is TransferMode.PULL
+
+
+async def test_without_prefill_short_prompts_run_decode_only_and_long_ones_get_503(
+    stack: StackFactory,
+) -> None:
+    s = await stack(prefill=())
+    status, ready = await s.call("GET", "/ready")
+    assert status == 503 and ready["missing"] == ["no live prefill worker"]
+    status, _ = await s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200
+    assert s.decode.events[0].prefill_id == DECODE_ONLY
+    assert s.decode.events[0].mode is TransferMode.LOCAL
+    status, error = await s.post("/v1/completions", {"prompt": list(range(1, 300))})
+    assert status == 503 and error["error"]["code"] == "no_workers"
+
+
+async def test_ready_follows_heartbeats_leases_and_draining(stack: StackFactory, bus: Bus) -> None:
+    s = await stack(prefill=(), decode=())
+    status, ready = await s.call("GET", "/ready")
+    assert status == 503 and len(ready["missing"]) == 2
+    assert (await s.call("GET", "/health"))[0] == 200
+    p = await FakeWorker(bus, WorkerRole.PREFILL, "rp").start()
+    d = await FakeWorker(bus, WorkerRole.DECODE, "rd").start()
+    s.workers += [p, d]
+
+    async def ready_is(code: int) -> None:
+        deadline = time.monotonic() + 3
+        while (await s.call("GET", "/ready"))[0] != code:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    await ready_is(200)
+    d.draining = True
+    await ready_is(503)
+    d.draining = False
+    await ready_is(200)
+    p.beating = False  # lease 0.5 s
+    await ready_is(503)
+    status, error = await s.post("/v1/completions", {"prompt": list(range(1, 300))})
+    assert status == 503, error
+
+
+async def test_the_least_loaded_decode_worker_gets_the_request(stack: StackFactory) -> None:
+    s = await stack(decode=("busy", "idle"))
+    busy, idle = s.workers[1], s.workers[2]
+    busy.in_flight = 5
+    await asyncio.sleep(0.25)
+    assert (await s.post("/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] == 200
+    assert len(idle.events) == 1 and not busy.events
+
+
+def shuffled_reply(event: Any) -> list[Any]:
+    return [
+        chunk(event, 1, "B"),
+        chunk(event, 0, "A"),
+        chunk(event, 0, "A"),  # duplicate
+        chunk(event, 2, "C", finish_reason=FinishReason.STOP),
+        chunk(event, 3, "late"),  # after the end: unknown
+    ]
+
+
+async def test_chunks_are_ordered_by_seq_and_strays_counted_and_dropped(
+    stack: StackFactory,
+) -> None:
+    s = await stack(reply=shuffled_reply)
+    status, answer = await s.post("/v1/completions", {"prompt": "x"})
+    assert status == 200 and answer["choices"][0]["text"] == "ABC"
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    await wait_until(lambda: s.gateway.streams.stats.unknown == 1)
+    stats = s.gateway.streams.stats
+    assert (stats.duplicates, stats.reordered) == (1, 1)
+    _, metrics = await s.call("GET", "/metrics")
+    assert 'kvpush_gateway_token_chunks_total{outcome="unknown"} 1.0' in metrics
+
+
+async def test_two_gateways_each_get_only_their_own_tokens(stack: StackFactory) -> None:
+    def echo_id(event: Any) -> list[Any]:
+        return [chunk(event, 0, event.request_id, finish_reason=FinishReason.STOP)]
+
+    one = await stack(reply=echo_id)
+    two = await stack(share=one)
+    assert one.gateway.config.gateway_id != two.gateway.config.gateway_id
+    calls = [g.post("/v1/completions", {"prompt": str(i)}) for i in range(4) for g in (one, two)]
+    for status, answer in await asyncio.gather(*calls):
+        assert status == 200 and answer["choices"][0]["text"] == answer["id"]
+    for g in (one, two):
+        assert g.gateway.streams.stats.unknown == 0
+
+
+async def test_models_metrics_and_trace_context(stack: StackFactory, spans: Any) -> None:
+    s = await stack()
+    status, listing = await s.call("GET", "/v1/models")
+    assert status == 200 and listing["data"][0]["id"] == "kvpush-tiny"
+    assert listing["data"][0]["max_model_len"] == 4096
+    await s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+    await s.post("/v1/completions", {"model": "nope", "prompt": "x"})
+    _, text = await s.call("GET", "/metrics")
+    for line in (
+        'kvpush_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0',
+        'kvpush_gateway_requests_total{endpoint="/v1/completions",status="404"} 1.0',
+        'kvpush_gateway_time_to_first_token_seconds_count{mode="local"} 1.0',
+        'kvpush_gateway_workers{role="decode"} 1.0',
+        "kvpush_gateway_requests_in_flight 0.0",
+        "kvpush_gateway_completion_tokens_total 2.0",
+    ):
+        assert line in text, line
+    finished = spans.get_finished_spans()
+    [root] = [x for x in finished if x.name == "gateway.request" and x.status.is_ok]
+    assert root.attributes["kvpush.request_id"].startswith("cmpl-")
+    received = [
+        x
+        for x in finished
+        if x.name == "bus.receive"
+        and x.attributes["messaging.destination.name"].startswith("kvpush.v1.req.")
+    ]
+    assert received and all(x.context.trace_id == root.context.trace_id for x in received)
+    assert {"gateway.route", "gateway.first_byte", "bus.publish"} <= {x.name for x in finished}

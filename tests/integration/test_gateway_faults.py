@@ -1,0 +1,235 @@
+"""Gateway faults over HTTP: errors, auth, bounds, deadlines, lost workers, aborts, SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvpush.schemas.messages import FinishReason
+from kvpush.services.bus import Bus
+from kvpush.services.gateway import add_arguments, serve
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.gateway_fakes import (
+    Reply,
+    Stack,
+    Stacks,
+    chunk,
+    sse_events,
+    wait_until,
+    write_model_dir,
+)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("gateway-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture
+async def stack(bus: Bus, model_dir: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    async with Stacks(bus, model_dir, nats_server.url) as make:
+        yield make
+
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+async def test_errors_are_openai_json_with_the_right_status(stack: StackFactory) -> None:
+    s = await stack(max_model_len=64)
+    cases: list[tuple[str, str, Any, int, str | None]] = [
+        ("POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model_not_found"),
+        ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, None),
+        ("POST", "/v1/completions", {"prompt": list(range(1, 60)), "max_tokens": 10}, 400, None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            None,
+        ),
+        ("POST", "/v1/nothing", {}, 404, None),
+        ("GET", "/v1/completions", None, 405, None),
+    ]
+    for method, path, body, want, code in cases:
+        status, answer = await s.call(method, path, body)
+        assert status == want, (path, body, answer)
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        assert code is None or answer["error"]["code"] == code
+    status, answer = await s.post("/v1/completions", None, data=b"{not json")
+    assert status == 400 and "JSON" in answer["error"]["message"]
+    status, answer = await s.post("/v1/completions", {"prompt": "x" * 5000})  # > 4096 bytes
+    assert status == 413 and "too large" in answer["error"]["message"]
+    fits = {"prompt": list(range(1, 60)), "max_tokens": 5}  # 59 + 5 = 64 = max_model_len
+    assert (await s.post("/v1/completions", fits))[0] == 200
+    status, answer = await s.post("/v1/completions", {**fits, "max_tokens": 6})
+    assert status == 400 and "maximum context length is 64" in answer["error"]["message"]
+    assert len(s.decode.events) == 1  # nothing invalid was published
+
+
+async def test_api_keys_guard_v1_but_not_health(stack: StackFactory) -> None:
+    s = await stack(api_keys=("k1", "k2"))
+    body = {"prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k2"}):
+        status, answer = await s.post("/v1/completions", body, headers=headers)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert (await s.call("GET", "/v1/models"))[0] == 401
+    status, _ = await s.post("/v1/completions", body, headers={"Authorization": "Bearer k2"})
+    assert status == 200
+    assert (await s.call("GET", "/health"))[0] == 200
+    assert (await s.call("GET", "/ready"))[0] == 200
+
+
+async def test_inflight_bound_is_429_and_deadline_is_504_with_aborts_to_p_and_d(
+    stack: StackFactory,
+) -> None:
+    s = await stack(reply=None, max_inflight=1, request_timeout_s=1.0, local_threshold=0)
+    first = asyncio.create_task(s.post("/v1/completions", {"prompt": "x"}))
+    await wait_until(lambda: len(s.decode.events) == 1)
+    status, answer = await s.post("/v1/completions", {"prompt": "y"})
+    assert status == 429 and answer["error"]["code"] == "rate_limit_exceeded"
+    status, answer = await first
+    assert status == 504 and answer["error"]["type"] == "timeout"
+    transfer = s.decode.events[0].transfer_id
+    await wait_until(lambda: bool(s.prefill.aborts and s.decode.aborts))
+    for abort in (s.prefill.aborts[0], s.decode.aborts[0]):
+        assert abort.transfer_id == transfer and abort.reason == "deadline"
+        assert abort.sender == s.gateway.config.gateway_id
+    assert s.gateway.in_flight == 0
+
+
+async def test_a_lost_decode_worker_fails_its_requests_with_502(stack: StackFactory) -> None:
+    s = await stack(reply=None, local_threshold=0)
+    pending = asyncio.create_task(s.post("/v1/completions", {"prompt": "x"}))
+    await wait_until(lambda: len(s.decode.events) == 1)
+    s.decode.beating = False
+    started = time.monotonic()
+    status, answer = await pending
+    assert status == 502 and "lost" in answer["error"]["message"]
+    assert time.monotonic() - started < 2.0  # lease 0.5 s + poll, not the 10 s deadline
+    await wait_until(lambda: bool(s.prefill.aborts))
+
+
+def failing_reply(text: str) -> Reply:
+    def reply(event: Any) -> list[Any]:
+        head = [chunk(event, 0, text)] if text else []
+        return [*head, chunk(event, len(head), error="boom", finish_reason=FinishReason.ERROR)]
+
+    return reply
+
+
+async def test_worker_errors_are_502_or_an_error_event_then_done(stack: StackFactory) -> None:
+    s = await stack(reply=failing_reply("partial"), local_threshold=0)
+    status, answer = await s.post("/v1/completions", {"prompt": "x"})
+    assert status == 502 and answer["error"]["message"] == "worker error: boom"
+    status, text = await s.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200
+    events = sse_events(text)
+    assert events[0]["choices"][0]["text"] == "partial"
+    assert events[1]["error"]["message"] == "worker error: boom" and len(events) == 2
+    s.decode.reply = failing_reply("")
+    status, answer = await s.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 502 and answer["error"]["type"] == "worker_error"
+    await wait_until(lambda: len(s.prefill.aborts) == 3)  # P may still be working: abort it
+    assert not s.decode.aborts  # D ended the request itself
+
+
+async def test_client_disconnect_mid_stream_aborts_p_and_d(stack: StackFactory) -> None:
+    s = await stack(local_threshold=0)
+    s.decode.chunk_delay_s = 0.05
+    body = {"prompt": "x", "max_tokens": 200, "stream": True}
+    async with s.http.post(s.gateway.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen == 2:
+                break
+        resp.close()  # drop the connection mid-stream
+    transfer = s.decode.events[0].transfer_id
+    await wait_until(lambda: bool(s.prefill.aborts and s.decode.aborts), 3.0)
+    assert s.prefill.aborts[0].transfer_id == s.decode.aborts[0].transfer_id == transfer
+    assert s.decode.aborts[0].sender == s.gateway.config.gateway_id
+    await wait_until(lambda: s.gateway.in_flight == 0 and len(s.gateway.streams) == 0)
+
+
+async def test_an_internal_error_is_a_bare_500(stack: StackFactory, monkeypatch: Any) -> None:
+    s = await stack()
+
+    def explode(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret detail")
+
+    monkeypatch.setattr(s.gateway.router, "route", explode)
+    status, answer = await s.post("/v1/completions", {"prompt": "x"})
+    assert status == 500 and answer["error"]["message"] == "internal server error"
+    assert "secret" not in json.dumps(answer) and s.gateway.in_flight == 0
+
+
+async def test_sigterm_drains_in_flight_requests_then_serve_returns_0(
+    stack: StackFactory, model_dir: Path, nats_server: EmbeddedNats
+) -> None:
+    workers = await stack()  # fake P and D (and a gateway this test does not use)
+    workers.decode.chunk_delay_s = 0.05
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--nats-url",
+            nats_server.url,
+            "--worker-lease",
+            "0.5",
+        ]
+    )
+    served = asyncio.create_task(serve(args))
+    url = f"http://127.0.0.1:{port}"
+    http = workers.http
+
+    async def get_ready() -> int:
+        try:
+            async with http.get(url + "/ready") as resp:
+                return resp.status
+        except aiohttp.ClientConnectionError:
+            return -1
+
+    deadline = time.monotonic() + 10
+    while await get_ready() != 200:
+        assert time.monotonic() < deadline and not served.done()
+        await asyncio.sleep(0.05)
+    body = {"prompt": "x", "max_tokens": 20}
+    slow = asyncio.create_task(http.post(url + "/v1/completions", json=body))
+    await wait_until(lambda: len(workers.decode.events) == 1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    while await get_ready() != 503:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    async with http.post(url + "/v1/completions", json=body) as late:
+        assert late.status == 503
+    async with await slow as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["text"].endswith(" w19")
+    assert await asyncio.wait_for(served, 10) == 0

@@ -1,0 +1,193 @@
+"""Gateway routing and config: leases, draining, least-loaded choice, modes, flags and env."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpush.schemas.messages import TransferMode, WorkerHeartbeat, WorkerRole
+from kvpush.services.gateway import ConfigError, GatewayConfig, add_arguments
+from kvpush.services.gateway.routing import DECODE_ONLY, NoWorkerError, Router, WorkerRegistry
+
+P, D = WorkerRole.PREFILL, WorkerRole.DECODE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(role: WorkerRole, worker: str, **fields: object) -> WorkerHeartbeat:
+    values: dict[str, object] = {
+        "worker_id": worker,
+        "role": role,
+        "epoch": 1,
+        "model": "m",
+        "side_channel": "tcp://127.0.0.1:5555",
+        "in_flight": 0,
+        "queue_depth": 0,
+        "free_blocks": 100,
+        "total_blocks": 100,
+        "sent_at_ms": 0,
+        **fields,
+    }
+    return WorkerHeartbeat(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def registry(clock: Clock) -> WorkerRegistry:
+    return WorkerRegistry(lease_s=3.0, clock=clock)
+
+
+def test_workers_live_while_heartbeats_arrive_within_the_lease(
+    registry: WorkerRegistry, clock: Clock
+) -> None:
+    registry.observe(beat(D, "d0"))
+    clock.now += 2.9
+    assert registry.counts() == {"prefill": 0, "decode": 1}
+    registry.observe(beat(D, "d0"))
+    clock.now += 2.9
+    assert registry.epoch(D, "d0") == 1
+    clock.now += 0.2
+    assert registry.epoch(D, "d0") is None
+    assert registry.counts()["decode"] == 0 and registry.stats.expired == 1
+
+
+def test_draining_workers_get_no_new_work_but_stay_alive(registry: WorkerRegistry) -> None:
+    registry.observe(beat(D, "d0", draining=True))
+    assert registry.counts()["decode"] == 0
+    assert registry.epoch(D, "d0") == 1  # its in-flight requests are not failed
+    with pytest.raises(NoWorkerError):
+        registry.pick(D)
+
+
+def test_decode_choice_is_least_loaded_then_most_free_blocks(registry: WorkerRegistry) -> None:
+    registry.observe(beat(D, "busy", in_flight=3))
+    registry.observe(beat(D, "queued", queue_depth=2))
+    registry.observe(beat(D, "idle", free_blocks=10))
+    registry.observe(beat(D, "roomy", free_blocks=90))
+    assert registry.pick(D).heartbeat.worker_id == "roomy"
+    assert registry.pick(D).heartbeat.worker_id == "idle"  # roomy now has one sent to it
+    picks = [registry.pick(D).heartbeat.worker_id for _ in range(4)]
+    assert picks == ["roomy", "idle", "queued", "roomy"]  # busy (3 in flight) never
+    registry.observe(beat(D, "roomy", free_blocks=90))  # a heartbeat resets the local count
+    assert registry.pick(D).heartbeat.worker_id == "roomy"
+
+
+def test_a_new_epoch_means_restart_and_old_heartbeats_are_ignored(
+    registry: WorkerRegistry,
+) -> None:
+    registry.observe(beat(D, "d0", epoch=2))
+    registry.observe(beat(D, "d0", epoch=1, draining=True))
+    assert registry.epoch(D, "d0") == 2 and registry.counts()["decode"] == 1
+    registry.observe(beat(D, "d0", epoch=3))
+    assert registry.epoch(D, "d0") == 3 and registry.stats.restarts == 1
+
+
+def test_registry_is_bounded(clock: Clock) -> None:
+    registry = WorkerRegistry(lease_s=3.0, max_workers=2, clock=clock)
+    for name in ("a", "b", "c"):
+        registry.observe(beat(D, name))
+    assert registry.counts()["decode"] == 2 and registry.stats.rejected == 1
+    clock.now += 5
+    registry.observe(beat(D, "c"))
+    assert [w["worker_id"] for w in registry.describe()] == ["c"]
+
+
+def test_modes_local_threshold_and_request_override(registry: WorkerRegistry) -> None:
+    registry.observe(beat(P, "p0"))
+    registry.observe(beat(D, "d0"))
+    router = Router(registry, TransferMode.PUSH, local_threshold=256)
+    assert router.route(255).mode is TransferMode.LOCAL
+    push = router.route(256)
+    assert (push.mode, push.prefill_id, push.decode_id) == (TransferMode.PUSH, "p0", "d0")
+    assert router.route(10, TransferMode.PULL).mode is TransferMode.PULL
+    assert router.route(1000, TransferMode.LOCAL).mode is TransferMode.LOCAL
+    pull = Router(registry, TransferMode.PULL, local_threshold=0)
+    assert pull.route(1).mode is TransferMode.PULL
+    with pytest.raises(ValueError):
+        Router(registry, TransferMode.LOCAL, 0)
+
+
+def test_local_without_prefill_is_decode_only_and_push_needs_prefill(
+    registry: WorkerRegistry,
+) -> None:
+    registry.observe(beat(D, "d0"))
+    router = Router(registry, TransferMode.PUSH, local_threshold=256)
+    local = router.route(10)
+    assert (local.prefill_id, local.decode_id, local.prefill_epoch) == (DECODE_ONLY, "d0", None)
+    with pytest.raises(NoWorkerError) as info:
+        router.route(300)
+    assert info.value.role is P
+    with pytest.raises(NoWorkerError):
+        Router(WorkerRegistry(), TransferMode.PUSH, 256).route(10)
+
+
+def test_local_requests_do_not_count_as_prefill_load(registry: WorkerRegistry) -> None:
+    registry.observe(beat(P, "p0"))
+    registry.observe(beat(D, "d0"))
+    router = Router(registry, TransferMode.PUSH, local_threshold=256)
+    for _ in range(3):
+        assert router.route(10).prefill_epoch is None
+    assert registry.pick(P, count=False).load == 0
+
+
+def test_still_serving_notices_a_lost_or_restarted_decode(
+    registry: WorkerRegistry, clock: Clock
+) -> None:
+    registry.observe(beat(P, "p0"))
+    registry.observe(beat(D, "d0"))
+    router = Router(registry, TransferMode.PUSH, 0)
+    route = router.route(10)
+    assert router.still_serving(route)
+    registry.observe(beat(D, "d0", epoch=2))
+    assert not router.still_serving(route)
+    route = router.route(10)
+    clock.now += 3.5
+    assert not router.still_serving(route)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_config_flags_beat_env_and_env_beats_defaults() -> None:
+    env = {
+        "KVPUSH_MODEL": "/models/env",
+        "KVPUSH_API_KEYS": "a, b,",
+        "KVPUSH_LOCAL_THRESHOLD": "64",
+        "KVPUSH_MODE": "pull",
+    }
+    config = GatewayConfig.from_args(parse("--model", "/models/flag", "--port", "0"), env)
+    assert config.model == "/models/flag" and config.port == 0
+    assert config.api_keys == ("a", "b") and config.local_threshold == 64
+    assert config.mode is TransferMode.PULL and config.max_inflight == 256
+    keys = GatewayConfig.from_args(parse("--api-key", "x", "--api-key", "y"), env)
+    assert keys.api_keys == ("x", "y")
+    assert GatewayConfig.from_args(parse(), env).gateway_id.startswith("gw-")
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        ((), {}),
+        (("--model", "m", "--gateway-id", "bad.id"), {}),
+        (("--model", "m", "--max-inflight", "0"), {}),
+        (("--model", "m"), {"KVPUSH_REQUEST_TIMEOUT": "soon"}),
+        (("--model", "m"), {"KVPUSH_MODE": "local"}),
+    ],
+)
+def test_bad_config_is_a_config_error(argv: tuple[str, ...], env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        GatewayConfig.from_args(parse(*argv), env)
