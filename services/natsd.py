@@ -11,9 +11,12 @@ own output. Threading model: call from one thread; no background threads.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +28,13 @@ from types import TracebackType
 
 class NatsStartError(RuntimeError):
     """nats-server is missing or did not come up."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the thread that started it dies (Linux), so a
+    killed test run or CLI never leaves a nats-server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def find_nats_server() -> Path:
@@ -100,7 +110,11 @@ class EmbeddedNats:
         args += list(self.extra_args)
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches us first; we stop it in order
+                preexec_fn=_die_with_parent,
             )
         try:
             self.port = self._wait_for_port(ports_dir, timeout_s)
