@@ -105,13 +105,41 @@ def _cmd_bench_transport(args: argparse.Namespace) -> int:
     return transport.main(args)
 
 
-def _cmd_not_yet(args: argparse.Namespace) -> int:
-    print(
-        f"`kvpush {args.command}` is not part of this build yet: the gateway and workers land "
-        "with the services milestone (see README.md, 'Status').",
-        file=sys.stderr,
-    )
-    return 2
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from kvpush.services.workers import prefill
+
+    return prefill.main(args)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from kvpush.services.workers import decode
+
+    return decode.main(args)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvpush.services import up
+
+    return up.main(args)
+
+
+def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    text = "OpenAI-compatible HTTP gateway"
+    try:
+        from kvpush.services.gateway import app as gateway_app
+    except ImportError as exc:  # a build without the gateway
+        missing = str(exc)
+
+        def unavailable(_args: argparse.Namespace) -> int:
+            print(f"`kvpush gateway` is unavailable: {missing}", file=sys.stderr)
+            return 2
+
+        sub.add_parser("gateway", help=f"{text} (unavailable)").set_defaults(func=unavailable)
+        return
+    parser = sub.add_parser("gateway", help=text, description=gateway_app.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    gateway_app.add_arguments(parser)
+    parser.set_defaults(func=gateway_app.main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,13 +208,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_sub.choices["transport"].set_defaults(func=_cmd_bench_transport)
 
-    for name, text in (
-        ("up", "embedded default stack: nats-server, tiny model, prefill + decode, gateway"),
-        ("gateway", "OpenAI-compatible HTTP gateway"),
-        ("prefill", "prefill worker"),
-        ("decode", "decode worker"),
+    from kvpush.services import up
+    from kvpush.services.workers import config as worker_config
+
+    up.add_arguments(
+        sub.add_parser(
+            "up",
+            help="embedded default stack: nats-server, tiny model, prefill + decode, gateway",
+            description=up.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    sub.choices["up"].set_defaults(func=_cmd_up)
+    _add_gateway(sub)
+    for role, func, text in (
+        ("prefill", _cmd_prefill, "prefill worker: computes prompts, pushes their KV"),
+        ("decode", _cmd_decode, "decode worker: receives KV, streams tokens to the gateway"),
     ):
-        sub.add_parser(name, help=f"{text} (not in this build yet)").set_defaults(func=_cmd_not_yet)
+        worker = sub.add_parser(role, help=text, description=text + ". Flags override the "
+                                "KVPUSH_* environment variables named in their help.")
+        worker_config.add_arguments(worker)
+        worker.set_defaults(func=func)
     return parser
 
 

@@ -1,0 +1,363 @@
+"""kvpush up: the embedded default stack in one command.
+
+Starts, in order: nats-server (embedded, or --nats URL for an external one), the model (the tiny
+random-weight model, built once into the kvpush cache, or --model DIR), --prefill N prefill and
+--decode N decode workers as child processes, pinned to the cores in turn (P then D: with one
+of each on two cores, P on core 0 and D on core 1), and the OpenAI-compatible gateway on
+127.0.0.1:8000. A line is printed for each worker once it is ready (its first heartbeat), then
+the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops everything: the gateway first,
+then the workers (each drains: requests in flight finish), then nats-server. A second Ctrl-C
+kills at once. Logs of the children: --log-dir (default ~/.cache/kvpush/logs).
+
+This module owns the stack's child processes and the order they start and stop in. Threading
+model: one asyncio loop on the main thread (heartbeat subscription, child polling, HTTP
+readiness, signals). Children run in sessions of their own, so a terminal's Ctrl-C reaches
+only `up`, which orders the shutdown; PR_SET_PDEATHSIG sends them SIGTERM should `up` die.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import WorkerHeartbeat
+from kvpush.services.bus import Bus, BusConfig
+from kvpush.services.natsd import EmbeddedNats
+from kvpush.services.workers import config as worker_config
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UpConfig:
+    nats_url: str | None = None  # None: start an embedded nats-server
+    model_dir: str | None = None  # None: the cached tiny model
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: str = "push"
+    max_inflight: int | None = None
+    log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 45.0
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise SystemExit("kvpush up: --prefill must be >= 0 and --decode >= 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> UpConfig:
+        nats_url = args.nats or os.environ.get("KVPUSH_NATS_URL") or None
+        model_dir = args.model or os.environ.get("KVPUSH_MODEL") or None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+        return cls(**{**given, "nats_url": nats_url, "model_dir": model_dir})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--nats",
+        metavar="URL",
+        help="use this NATS server instead of starting one (KVPUSH_NATS_URL)",
+    )
+    add("--model", metavar="DIR", help="model folder (KVPUSH_MODEL; default: the tiny model)")
+    add("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    add("--decode", type=int, default=1, metavar="N", help="decode workers (default 1)")
+    add("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    add("--port", type=int, default=8000, help="gateway port (default 8000)")
+    add("--mode", choices=("push", "pull"), default="push", help="KV transfer mode (push)")
+    add(
+        "--max-inflight",
+        dest="max_inflight",
+        type=int,
+        metavar="N",
+        help="requests at once per worker (default: the workers' default)",
+    )
+    add(
+        "--log-dir",
+        dest="log_dir",
+        metavar="DIR",
+        help="children's logs (default ~/.cache/kvpush/logs)",
+    )
+
+
+def say(message: str) -> None:
+    print(f"[kvpush up] {message}", file=sys.stderr, flush=True)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclasses.dataclass
+class Child:
+    """One child process of the stack; ``ready_s`` is set once it is ready."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    cores: list[int] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_s: float | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.started_at = time.monotonic()
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(f"    {line}" for line in text)
+
+
+class Stack:
+    """nats-server + workers + gateway; lifecycle setup -> start -> cleanup."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.nats: EmbeddedNats | None = None
+        self.nats_url = config.nats_url or ""
+        self.model_dir = config.model_dir or ""
+        self.model_name = ""
+        self.workers: list[Child] = []
+        self.gateway: Child | None = None
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.workers, *([self.gateway] if self.gateway else [])]
+
+    async def setup(self) -> None:
+        cfg = self.config
+        if not self.nats_url:
+            self.nats = EmbeddedNats()
+            self.nats_url = await asyncio.to_thread(self.nats.start)
+            say(f"nats-server (embedded, JetStream): {self.nats_url}")
+        else:
+            say(f"nats-server: {self.nats_url}")
+        if not self.model_dir:
+            say("model: the tiny random-weight model (built on first use)")
+            path = await asyncio.to_thread(worker_config.default_model_dir, say)
+            self.model_dir = str(path)
+        self.model_dir = str(Path(self.model_dir).expanduser().resolve())
+        self.model_name = worker_config.model_name_of(self.model_dir)
+        say(f"model {self.model_name}: {self.model_dir}")
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+
+    def _plan(self) -> None:
+        cfg = self.config
+        cores = sorted(os.sched_getaffinity(0))
+        common = ["--nats-url", self.nats_url, "--model", self.model_dir]
+        cli = [sys.executable, "-m", "kvpush.services.cli"]
+        # an external NATS may be shared: make this stack's worker ids unique on it
+        suffix = "" if self.nats is not None else f"-{os.getpid()}"
+        roles = [("prefill", i) for i in range(cfg.prefill)]
+        roles += [("decode", i) for i in range(cfg.decode)]
+        for n, (role, i) in enumerate(roles):
+            name, core = f"{role}-{i}{suffix}", cores[n % len(cores)]
+            argv = [*cli, role, *common, "--id", name, "--cpus", str(core)]
+            if cfg.max_inflight:
+                argv += ["--max-inflight", str(cfg.max_inflight)]
+            self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", [core]))
+        options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode}".split()
+        argv = [*cli, "gateway", *common, *options]
+        self.gateway = Child("gateway", argv, Path(cfg.log_dir) / "gateway.log")
+
+    async def start(self) -> None:
+        """Start every child and return once the gateway answers ``/ready``."""
+        cfg = self.config
+        self._plan()
+        ready = asyncio.Event()
+        waiting = {w.name: w for w in self.workers}
+
+        async def on_heartbeat(subject: str, message: object) -> None:
+            if isinstance(message, WorkerHeartbeat) and message.worker_id in waiting:
+                child = waiting.pop(message.worker_id)
+                child.ready_s = time.monotonic() - child.started_at
+                say(
+                    f"  {child.name} ready (core {child.cores[0] if child.cores else '-'}, "
+                    f"{child.ready_s:.1f} s, {message.total_blocks} KV blocks)"
+                )
+                if not waiting:
+                    ready.set()
+
+        bus = await Bus.connect(BusConfig(url=self.nats_url, name="kvpush-up"))
+        try:
+            await bus.subscribe(subjects.heartbeats(), on_heartbeat)
+            await bus.flush()
+            say(
+                f"starting {cfg.prefill} prefill + {cfg.decode} decode worker(s) and the "
+                f"gateway (logs in {cfg.log_dir}); engines take a few seconds each"
+            )
+            for child in self.children:
+                child.start()
+            started = time.monotonic()
+            next_note = started + 15.0
+            while not ready.is_set():
+                self._check_children()
+                now = time.monotonic()
+                if now - started > cfg.start_timeout_s:
+                    raise RuntimeError(
+                        f"workers not ready after {cfg.start_timeout_s:.0f} s: {', '.join(waiting)}"
+                    )
+                if now > next_note:
+                    say(f"  still starting ({now - started:.0f} s): {', '.join(waiting)}")
+                    next_note = now + 15.0
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ready.wait(), 0.2)
+        finally:
+            await bus.close()
+        await self._wait_gateway()
+
+    async def _wait_gateway(self) -> None:
+        assert self.gateway is not None
+        cfg = self.config
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+        url = f"http://{host}:{cfg.port}/ready"
+        deadline = time.monotonic() + 60.0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            while time.monotonic() < deadline:
+                self._check_children()
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(url) as response:
+                        if response.status == 200:
+                            self.gateway.ready_s = time.monotonic() - self.gateway.started_at
+                            say(f"  gateway ready on {cfg.host}:{cfg.port}")
+                            return
+                await asyncio.sleep(0.2)
+        raise RuntimeError(f"the gateway did not answer {url} with 200 in 60 s")
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if child.exited is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with status {child.exited}; "
+                    f"the end of {child.log_path}:\n{child.tail()}"
+                )
+
+    def banner(self) -> str:
+        cfg = self.config
+        base = f"http://{cfg.host}:{cfg.port}"
+        body = f'{{"model": "{self.model_name}", "prompt": "Hello", "max_tokens": 16}}'
+        return (
+            f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode}). Try:\n"
+            f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{body}'\n"
+            "Ctrl-C stops everything."
+        )
+
+    async def watch(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (0) or the gateway exits on its own (1). A worker that
+        exits is reported; the others keep serving (the gateway's /ready tells what is left)."""
+        reported: set[str] = set()
+        while not stop.is_set():
+            for child in self.children:
+                if child.exited is None or child.name in reported:
+                    continue
+                reported.add(child.name)
+                tail = f"; the end of {child.log_path}:\n{child.tail()}" if child.exited else ""
+                say(f"{child.name} exited with status {child.exited}{tail}")
+                if child is self.gateway:
+                    return 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        return 0
+
+    async def cleanup(self, force: asyncio.Event) -> None:
+        """Gateway, then workers (they drain), then nats-server; SIGKILL what hangs."""
+        if any(c.exited is None for c in self.children):
+            say("stopping: gateway, then workers (they finish what is in flight)")
+        await self._stop([self.gateway] if self.gateway else [], 15.0, force)
+        await self._stop(self.workers, self.config.stop_timeout_s, force)
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)
+        say("stopped")
+
+    async def _stop(self, children: list[Child], timeout_s: float, force: asyncio.Event) -> None:
+        live = [c for c in children if c.proc is not None and c.proc.poll() is None]
+        for child in live:
+            assert child.proc is not None
+            child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(c.exited is None for c in live):
+            if force.is_set() or time.monotonic() > deadline:
+                for child in live:
+                    if child.exited is None and child.proc is not None:
+                        say(f"  {child.name} did not stop: killing it")
+                        child.proc.kill()
+                        child.proc.wait()
+                break
+            await asyncio.sleep(0.1)
+        for child in live:
+            say(f"  {child.name} stopped (status {child.exited})")
+
+
+async def run(config: UpConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    stack = Stack(config)
+    status = 0
+    try:
+        await stack.setup()
+        starting = asyncio.create_task(stack.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if starting.done():
+            starting.result()  # raises a start failure
+            print(stack.banner(), flush=True)
+            status = await stack.watch(stop)
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starting
+    except Exception as exc:
+        say(f"failed: {exc}")
+        status = 1
+    finally:
+        await stack.cleanup(force)
+    return status
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvpush up``."""
+    return asyncio.run(run(UpConfig.from_args(args)))

@@ -1,0 +1,174 @@
+"""Decode worker (``kvpush decode``): receives KV, decodes, streams tokens to the gateway.
+
+Owns what a request means on the decode side: for every RequestEvent on ``kvpush.v1.req.*.<me>``
+it submits the prompt with the event's SamplingSpec and transfer parameters (none for mode
+local: the engine computes the prompt itself). The connector inside the engine allocates the
+prompt's blocks, announces them to the prefill worker and waits (at no cost) for the KV. Each
+engine output becomes a TokenChunk on the event's reply subject (``seq`` 0, 1, ...; the last one
+carries ``finish_reason`` and ``usage``; with ``stream=false`` only that one is sent, with
+every token). A request it cannot take is answered with one error chunk at once: ``overloaded``
+(over ``--max-inflight``), ``deadline``, or the model mismatch.
+
+It also owns the prefill workers' side-channel addresses, learned from their heartbeats
+(``kvpush.v1.heartbeat.prefill.*``) and, at start, from the worker registry: each request
+carries its prefill worker's address so the connector can tell a dead prefill worker from a
+slow one. The map holds at most ``MAX_PREFILL_PEERS`` workers (oldest forgotten first).
+
+Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import OrderedDict
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import (
+    FailReason,
+    FinishReason,
+    RequestEvent,
+    TokenChunk,
+    TransferMode,
+    Usage,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from kvpush.services.workers.config import WorkerConfig
+from kvpush.services.workers.engine import EngineOutput
+from kvpush.services.workers.worker import InFlight, Worker, run_worker
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILL_PEERS = 4096
+MAX_ERROR = 1000  # TokenChunk.error is at most 1024 characters
+
+
+def _finish_reason(value: str) -> FinishReason:
+    try:
+        return FinishReason(value)
+    except ValueError:
+        return FinishReason.ERROR
+
+
+def _abort_error(entry: InFlight) -> str:
+    return "deadline" if entry.aborted == "deadline" else f"aborted: {entry.aborted}"
+
+
+class DecodeWorker(Worker):
+    role = WorkerRole.DECODE
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.prefill_addresses: OrderedDict[str, str] = OrderedDict()
+
+    def request_filter(self) -> str:
+        return subjects.requests_for_decode(self.worker_id)
+
+    async def on_start(self) -> None:
+        for beat in await self.registry_entries(WorkerRole.PREFILL):
+            self._learn(beat)
+        await self.bus.subscribe(subjects.heartbeats(WorkerRole.PREFILL), self._on_heartbeat)
+
+    async def _on_heartbeat(self, subject: str, message: object) -> None:
+        if isinstance(message, WorkerHeartbeat):
+            self._learn(message)
+
+    def _learn(self, beat: WorkerHeartbeat) -> None:
+        self.prefill_addresses[beat.worker_id] = beat.side_channel
+        self.prefill_addresses.move_to_end(beat.worker_id)
+        while len(self.prefill_addresses) > MAX_PREFILL_PEERS:
+            self.prefill_addresses.popitem(last=False)
+
+    async def serve(self, entry: InFlight) -> None:
+        event = entry.event
+        rid, tid = event.request_id, event.transfer_id
+        local = event.mode is TransferMode.LOCAL
+        address = self.prefill_addresses.get(event.prefill_id)
+        params = None if local else self.kv_params(event, address)
+        handle = self.submit(entry, event.sampling, params)
+        if handle is None:
+            await self._send(event, 0, [], "", FinishReason.ABORT, 0, _abort_error(entry))
+            return
+        log.info(
+            "decode rid=%s tid=%s: %d prompt tokens, mode %s, prefill %s (%s)",
+            rid,
+            tid,
+            len(event.prompt_token_ids),
+            event.mode.value,
+            event.prefill_id,
+            address,
+        )
+        seq = count = 0
+        held_ids: list[int] = []  # stream=false: everything goes in the last chunk
+        held_text: list[str] = []
+        async for out in handle:
+            count += len(out.token_ids)
+            if not out.finished:
+                if not event.stream:
+                    held_ids += out.token_ids
+                    held_text.append(out.text)
+                elif out.token_ids or out.text:
+                    await self._send(event, seq, out.token_ids, out.text)
+                    seq += 1
+                continue
+            reason = _finish_reason(out.finish_reason or "stop")
+            error = self._error(entry, out)
+            ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
+            await self._send(event, seq, ids, text, reason, count, error)
+            took = (handle.finished_at or 0.0) - handle.submitted_at
+            first = (handle.first_output_at or 0.0) - handle.submitted_at
+            log.info(
+                "decoded rid=%s tid=%s: %d tokens, %s, first output %.3f s, total %.3f s",
+                rid,
+                tid,
+                count,
+                reason.value,
+                first,
+                took,
+            )
+
+    @staticmethod
+    def _error(entry: InFlight, out: EngineOutput) -> str | None:
+        return _abort_error(entry) if out.finish_reason == "abort" else out.error
+
+    async def _send(
+        self,
+        event: RequestEvent,
+        seq: int,
+        token_ids: list[int],
+        text: str,
+        finish: FinishReason | None = None,
+        completion_tokens: int = 0,
+        error: str | None = None,
+    ) -> None:
+        usage = None
+        if finish is not None:
+            usage = Usage(
+                prompt_tokens=len(event.prompt_token_ids), completion_tokens=completion_tokens
+            )
+        chunk = TokenChunk(
+            request_id=event.request_id,
+            transfer_id=event.transfer_id,
+            seq=seq,
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish,
+            usage=usage,
+            error=error[:MAX_ERROR] if error else None,
+        )
+        await self.bus.publish(event.reply_subject, chunk, span=False)
+
+    async def refuse(self, event: RequestEvent, reason: FailReason, detail: str = "") -> None:
+        log.warning(
+            "refusing rid=%s tid=%s: %s",
+            event.request_id,
+            event.transfer_id,
+            detail or reason.value,
+        )
+        await self._send(event, 0, [], "", FinishReason.ERROR, 0, detail or reason.value)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvpush decode``."""
+    return run_worker(DecodeWorker, args)

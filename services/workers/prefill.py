@@ -1,0 +1,93 @@
+"""Prefill worker (``kvpush prefill``): computes prompts and lets the connector push their KV.
+
+Owns what a request means on the prefill side: for every RequestEvent on
+``kvpush.v1.req.<me>.*`` in mode push or pull it submits the prompt with ``max_tokens=1`` and
+the event's transfer parameters to its engine; the kvpush connector inside the engine does the
+rest (match D's BlocksAnnounced, WRITE layer by layer, KvPushed / KvFailed). Mode local is not
+its business (D computes the prompt) and is ignored. A request it cannot take (over
+``--max-inflight``, past its deadline, another model, rejected by the engine before the
+connector saw it) is answered with KvFailed to the decode worker, which then computes the
+prompt itself at once instead of waiting for KV (DESIGN §4 rule 5).
+
+Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import (
+    FailReason,
+    KvFailed,
+    RequestEvent,
+    SamplingSpec,
+    TransferMode,
+    WorkerRole,
+)
+from kvpush.services.workers.worker import InFlight, Worker, run_worker
+
+log = logging.getLogger(__name__)
+
+PREFILL_SAMPLING = SamplingSpec(max_tokens=1, temperature=0.0)
+REJECTED = "rejected:"  # EngineHost's error prefix for a request the engine never took
+
+
+class PrefillWorker(Worker):
+    role = WorkerRole.PREFILL
+
+    def request_filter(self) -> str:
+        return subjects.requests_for_prefill(self.worker_id)
+
+    def accepts(self, event: RequestEvent) -> bool:
+        return event.mode is not TransferMode.LOCAL
+
+    async def serve(self, entry: InFlight) -> None:
+        event = entry.event
+        rid, tid = event.request_id, event.transfer_id
+        handle = self.submit(entry, PREFILL_SAMPLING, self.kv_params(event))
+        if handle is None:
+            log.info("rid=%s tid=%s aborted before prefill", rid, tid)
+            return
+        log.info(
+            "prefill rid=%s tid=%s: %d tokens, mode %s, decode %s",
+            rid,
+            tid,
+            len(event.prompt_token_ids),
+            event.mode.value,
+            event.decode_id,
+        )
+        final = None
+        async for final in handle:  # noqa: B007  (only the last output matters)
+            pass
+        if final is not None and final.error and final.error.startswith(REJECTED):
+            # The connector never saw this request, so nothing of it is in flight: tell D.
+            await self.refuse(event, FailReason.PREFILL, final.error)
+        elif final is not None and final.error:
+            log.warning("prefill rid=%s tid=%s failed: %s", rid, tid, final.error)
+        else:
+            took = (handle.finished_at or 0.0) - handle.submitted_at
+            log.info("prefilled rid=%s tid=%s in %.3f s", rid, tid, took)
+
+    async def refuse(self, event: RequestEvent, reason: FailReason, detail: str = "") -> None:
+        log.warning(
+            "refusing rid=%s tid=%s: %s %s",
+            event.request_id,
+            event.transfer_id,
+            reason.value,
+            detail,
+        )
+        failed = KvFailed(
+            transfer_id=event.transfer_id,
+            prefill_id=self.worker_id,
+            decode_id=event.decode_id,
+            reason=reason,
+            detail=detail[:1000],
+        )
+        await self.bus.publish(subjects.kv_failed(event.decode_id), failed)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvpush prefill``."""
+    return run_worker(PrefillWorker, args)

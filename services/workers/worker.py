@@ -1,0 +1,372 @@
+"""The common worker service: config, lifecycle, request bookkeeping, aborts, heartbeats, drain.
+
+``Worker`` owns one ``EngineHost`` (a sync vLLM ``LLMEngine`` with the kvpush connector, driven
+in process on its own thread, deliberately not ``AsyncLLM``: a decode engine waiting for pushed
+KV sleeps instead of stepping, so it costs nothing), one ``Bus`` connection, the in-flight map
+(transfer_id -> ``InFlight``; the engine request id *is* the transfer id), heartbeats on
+``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` and the worker's entry in the JetStream
+KV bucket of ``registry`` (key ``<role>.<id>``, value: the last heartbeat; the bucket's TTL
+drops a worker that stopped beating). ``PrefillWorker`` / ``DecodeWorker`` add what a request
+means for their role (``serve``, ``refuse``).
+
+Lifecycle (every kvpush service has this shape): ``setup`` (bus, engine, registry) -> ``start``
+(subscriptions, heartbeats) -> run until SIGTERM/SIGINT -> ``drain`` (heartbeat draining=True,
+stop taking requests, finish in-flight ones and the connector's pending transfers) ->
+``cleanup`` (deregister, stop the engine, close the bus). ``run`` does all of it and returns 0.
+
+Threading model: one asyncio loop on the main thread runs bus handlers, one task per request and
+the heartbeat task; ``EngineHost`` runs the engine (and the connector's worker half) on its
+``kvpush-engine`` thread and feeds request outputs back to the loop; the connector keeps its own
+NATS connection on its ``kvpush-bus`` thread. Bounds: at most ``max_inflight`` requests (past it
+the role's ``refuse`` answers at once), the abort memory holds ``ABORT_MEMORY`` transfer ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from collections import OrderedDict
+from typing import Any, ClassVar
+
+from nats.aio.subscription import Subscription
+from opentelemetry import propagate
+
+from kvpush.connector.vllm import runtime
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import (
+    Abort,
+    FailReason,
+    RequestEvent,
+    SamplingSpec,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from kvpush.services.bus import Bus, BusConfig, BusConnectError
+from kvpush.services.workers.config import WorkerConfig, config_from_args
+from kvpush.services.workers.engine import EngineHost, RequestHandle
+from kvpush.services.workers.registry import Registry
+
+log = logging.getLogger(__name__)
+
+ABORT_MEMORY = 4096
+DEADLINE_GRACE_S = 1.0  # a request still running this long past its deadline is aborted
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """One request this worker accepted; ``handle`` is set once it went to the engine."""
+
+    event: RequestEvent
+    handle: RequestHandle | None = None
+    task: asyncio.Task[None] | None = None
+    aborted: str | None = None  # why it was aborted ("deadline", or the Abort's reason)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Worker:
+    """A prefill or decode worker; the module docstring describes lifecycle and threads."""
+
+    role: ClassVar[WorkerRole]
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.epoch = now_ms()
+        self.host = EngineHost(config.engine_config())
+        self.side_channel = ""
+        self._bus: Bus | None = None
+        self._registry: Registry | None = None  # None without JetStream
+        self._inflight: dict[str, InFlight] = {}
+        self._aborted: OrderedDict[str, str] = OrderedDict()
+        self._request_subs: list[Subscription] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._free_blocks = 0
+        self._draining = False
+        self._stop = asyncio.Event()
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "setup() first"
+        return self._bus
+
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id
+
+    # ---- role hooks -------------------------------------------------------------------------
+    def request_filter(self) -> str:
+        raise NotImplementedError
+
+    def accepts(self, event: RequestEvent) -> bool:
+        """False: the event is not for this role (ignored without an answer)."""
+        return True
+
+    async def serve(self, entry: InFlight) -> None:
+        raise NotImplementedError
+
+    async def refuse(self, event: RequestEvent, reason: FailReason, detail: str = "") -> None:
+        raise NotImplementedError
+
+    async def on_start(self) -> None:
+        """Extra subscriptions of the role, made before the first heartbeat."""
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def setup(self) -> None:
+        cfg = self.config
+        started = time.monotonic()
+        self._bus = await Bus.connect(BusConfig(url=cfg.nats_url, name=cfg.worker_id))
+        log.info(
+            "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
+        )
+        await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
+        self.side_channel = runtime.info.get("side_channel", "")
+        self._free_blocks = self.host.total_blocks()
+        self._registry = await Registry.open(self.bus, cfg.registry_ttl_s)
+        log.info(
+            "%s %s ready in %.1f s: model %s, %d blocks, side channel %s, cores %s",
+            self.role.value,
+            cfg.worker_id,
+            time.monotonic() - started,
+            cfg.model_name,
+            self._free_blocks,
+            self.side_channel,
+            cfg.cpu_cores or "all",
+        )
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.abort(self.worker_id), self._on_abort)
+        await self.on_start()
+        sub = await self.bus.subscribe(self.request_filter(), self._on_request)
+        self._request_subs.append(sub)
+        await self.bus.flush()
+        self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="heartbeats")
+
+    async def drain(self) -> None:
+        """Stop taking requests, finish the in-flight ones, then the connector's transfers."""
+        cfg = self.config
+        self._draining = True
+        log.info("draining: %d request(s) in flight", len(self._inflight))
+        await self._beat()  # the gateway stops routing here
+        await asyncio.sleep(cfg.drain_grace_s)  # requests published before it saw the beat
+        for sub in self._request_subs:
+            with contextlib.suppress(Exception):
+                await sub.drain()  # delivers what is pending, then unsubscribes
+        self._request_subs.clear()
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        tasks = [e.task for e in self._inflight.values() if e.task is not None]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=cfg.drain_timeout_s)
+            for entry in list(self._inflight.values()):
+                log.warning(
+                    "drain timeout: aborting rid=%s tid=%s",
+                    entry.event.request_id,
+                    entry.event.transfer_id,
+                )
+                self._abort(entry, "shutdown")
+            if late:
+                await asyncio.wait(late, timeout=5.0)
+        while runtime.pending() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # P's pushes still in flight: D's blocks depend on them
+        log.info("drained (connector transfers pending: %d)", runtime.pending())
+
+    async def cleanup(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                await self._registry.delete(self.role, self.worker_id)
+        await asyncio.to_thread(self.host.stop)
+        if self._bus is not None:
+            with contextlib.suppress(Exception):
+                await self._bus.drain()
+
+    async def run(self) -> int:
+        """setup -> start -> (SIGTERM/SIGINT) -> drain -> cleanup; 0 on a clean stop, 1 when
+        it could not start."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            await self.setup()
+            if not self._stop.is_set():
+                await self.start()
+                await self._stop.wait()
+                await self.drain()
+        except (BusConnectError, RuntimeError) as exc:  # no NATS, or the engine did not build
+            trace = not isinstance(exc, BusConnectError)
+            log.error("%s %s failed: %s", self.role.value, self.worker_id, exc, exc_info=trace)
+            return 1
+        finally:
+            await self.cleanup()
+        log.info("%s %s stopped", self.role.value, self.worker_id)
+        return 0
+
+    def stop(self) -> None:
+        """Ask ``run`` to drain and return (what SIGTERM does)."""
+        self._stop.set()
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def _on_request(self, subject: str, message: object) -> None:
+        if not isinstance(message, RequestEvent) or not self.accepts(message):
+            return
+        event, tid = message, message.transfer_id
+        if tid in self._inflight or tid in self._aborted:
+            log.warning(
+                "dropping request rid=%s tid=%s: %s",
+                event.request_id,
+                tid,
+                "duplicate" if tid in self._inflight else "aborted before it arrived",
+            )
+            return
+        if event.model != self.config.model_name:
+            detail = f"model {event.model!r} is not served by {self.worker_id}"
+            await self.refuse(event, FailReason.PREFILL, detail)
+            return
+        late_ms = now_ms() - event.deadline_ms
+        if event.deadline_ms and late_ms >= 0:
+            await self.refuse(event, FailReason.DEADLINE, "deadline")
+            return
+        if len(self._inflight) >= self.config.max_inflight:
+            log.warning("overloaded: refusing rid=%s tid=%s", event.request_id, tid)
+            await self.refuse(event, FailReason.OVERLOADED, "overloaded")
+            return
+        entry = InFlight(event)
+        self._inflight[tid] = entry
+        if event.deadline_ms:  # a backstop: the gateway answers and aborts at the deadline
+            delay = -late_ms / 1000.0 + DEADLINE_GRACE_S
+            entry.timer = asyncio.get_running_loop().call_later(
+                delay, self._abort, entry, "deadline"
+            )
+        entry.task = asyncio.create_task(self._serve(entry), name=f"serve-{tid}")
+
+    async def _serve(self, entry: InFlight) -> None:
+        event = entry.event
+        try:
+            await self.serve(entry)
+        except Exception as exc:
+            log.exception("serving rid=%s tid=%s failed", event.request_id, event.transfer_id)
+            if entry.handle is None:  # it never reached the engine: nothing of it runs
+                with contextlib.suppress(Exception):
+                    await self.refuse(event, FailReason.PREFILL, f"worker error: {exc!r}"[:500])
+            else:
+                self._abort(entry, "worker error")
+        finally:
+            if entry.timer is not None:
+                entry.timer.cancel()
+            self._inflight.pop(event.transfer_id, None)
+
+    def submit(
+        self, entry: InFlight, sampling: SamplingSpec, kv_params: dict[str, Any] | None
+    ) -> RequestHandle | None:
+        """Hand the request to the engine; None when it was aborted before that."""
+        if entry.aborted is not None:
+            return None
+        event = entry.event
+        entry.handle = self.host.submit(
+            event.transfer_id, event.prompt_token_ids, sampling, kv_transfer_params=kv_params
+        )
+        return entry.handle
+
+    def kv_params(self, event: RequestEvent, prefill_address: str | None = None) -> dict[str, Any]:
+        """The connector's ``kv_transfer_params`` for ``event`` (trace context included)."""
+        from kvpush.connector.vllm.metadata import TransferParams  # vllm: imported by now
+
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return TransferParams(
+            transfer_id=event.transfer_id,
+            prefill_id=event.prefill_id,
+            decode_id=event.decode_id,
+            mode=event.mode,
+            deadline_ms=event.deadline_ms,
+            traceparent=carrier.get("traceparent"),
+            prefill_address=prefill_address,
+        ).to_params()
+
+    # ---- aborts -----------------------------------------------------------------------------
+    async def _on_abort(self, subject: str, message: object) -> None:
+        if not isinstance(message, Abort):
+            return  # AbortAcks on this subject are the connector's business
+        entry = self._inflight.get(message.transfer_id)
+        if entry is None:
+            self._aborted[message.transfer_id] = message.reason
+            while len(self._aborted) > ABORT_MEMORY:
+                self._aborted.popitem(last=False)
+            return
+        self._abort(entry, message.reason or f"aborted by {message.sender}")
+
+    def _abort(self, entry: InFlight, reason: str) -> None:
+        if entry.aborted is not None:
+            return
+        entry.aborted = reason
+        log.info(
+            "aborting rid=%s tid=%s: %s", entry.event.request_id, entry.event.transfer_id, reason
+        )
+        if entry.handle is not None:
+            try:
+                self.host.abort(entry.event.transfer_id)
+            except RuntimeError as exc:  # the engine is stopping or its queue is full
+                log.warning("abort of tid=%s failed: %s", entry.event.transfer_id, exc)
+
+    # ---- heartbeats and registry ------------------------------------------------------------
+    def heartbeat(self) -> WorkerHeartbeat:
+        waiting = sum(
+            1
+            for e in self._inflight.values()
+            if e.handle is None or e.handle.first_output_at is None
+        )
+        return WorkerHeartbeat(
+            worker_id=self.worker_id,
+            role=self.role,
+            epoch=self.epoch,
+            model=self.config.model_name,
+            side_channel=self.side_channel,
+            in_flight=len(self._inflight),
+            queue_depth=waiting,
+            free_blocks=self._free_blocks,
+            total_blocks=self.host.total_blocks(),
+            sent_at_ms=now_ms(),
+            draining=self._draining,
+        )
+
+    async def registry_entries(self, role: WorkerRole) -> list[WorkerHeartbeat]:
+        """Live workers of ``role`` from the registry (empty without one)."""
+        return await self._registry.entries(role) if self._registry is not None else []
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._beat()
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _beat(self) -> None:
+        try:
+            self._free_blocks = await asyncio.to_thread(self.host.free_blocks, 5.0)
+        except Exception as exc:  # a long engine step: send the last count
+            log.warning("free block count unavailable: %r", exc)
+        beat = self.heartbeat()
+        try:
+            await self.bus.publish(subjects.heartbeat(self.role, self.worker_id), beat, span=False)
+            if self._registry is not None:
+                await self._registry.put(beat)
+        except Exception as exc:
+            log.warning("heartbeat failed: %r", exc)
+
+
+def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
+    """Entry point of ``kvpush prefill`` / ``kvpush decode``: config, logging, run."""
+    config = config_from_args(worker_cls.role, args)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {config.worker_id} %(name)s: %(message)s",
+    )
+    return asyncio.run(worker_cls(config).run())

@@ -1,0 +1,173 @@
+"""End-to-end fixtures: the embedded default stack from ``kvpush up`` and in-process gateways.
+
+``up_stack`` (session) runs ``kvpush up`` as a user would, in its own session: it starts its
+own nats-server, reuses (or builds) the cached tiny model, one prefill worker (core 0), one
+decode worker (core 1) and the gateway on a free port. Tests talk to it over HTTP with the
+official ``openai`` client, watch the workers' heartbeats over its NATS (``observer``), and
+start extra gateways in process (``start_gateway``) on the same NATS or on an empty one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from kvpush.services.gateway.app import Gateway, GatewayConfig
+from tests.integration.worker_proc import Observer
+
+START_TIMEOUT_S = 240.0
+PREFILL_ID, DECODE_ID = "prefill-0", "decode-0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@dataclass
+class UpStack:
+    proc: subprocess.Popen[bytes]
+    url: str  # the gateway, http://127.0.0.1:<port>
+    nats_url: str
+    model_dir: str
+    log_dir: Path
+
+    def output(self) -> str:
+        return "".join(
+            (self.log_dir / name).read_text(errors="replace") for name in ("up.err", "up.out")
+        )
+
+    def logs(self) -> str:
+        parts = [f"--- kvpush up ---\n{self.output()}"]
+        for path in sorted(self.log_dir.glob("*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-30:]
+            parts.append(f"--- {path.name} ---\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    def worker_pid(self, worker_id: str) -> int:
+        for pid in child_pids(self.proc.pid):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if worker_id.encode() in cmdline:
+                return pid
+        raise AssertionError(f"no process for {worker_id}")
+
+    def client(self, **kwargs: Any) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    log_dir = tmp_path_factory.mktemp("kvpush-up")
+    port = free_port()
+    argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
+    with open(log_dir / "up.out", "wb") as out, open(log_dir / "up.err", "wb") as err:
+        proc = subprocess.Popen(
+            [*argv, "--log-dir", str(log_dir)],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # like a terminal: only `up` gets our SIGINT
+        )
+    stack = UpStack(proc, f"http://127.0.0.1:{port}", "", "", log_dir)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "kvpush is up" not in stack.output():
+            assert proc.poll() is None, f"kvpush up exited ({proc.returncode})\n{stack.logs()}"
+            assert time.monotonic() < deadline, f"kvpush up not ready\n{stack.logs()}"
+            time.sleep(0.2)
+        nats = re.search(r"nats-server \(embedded, JetStream\): (nats://\S+)", stack.output())
+        model = re.search(r"model kvpush-tiny: (\S+)", stack.output())
+        assert nats and model, stack.output()
+        stack.nats_url, stack.model_dir = nats.group(1), model.group(1)
+        yield stack
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+async def observer(up_stack: UpStack) -> AsyncIterator[Observer]:
+    """Heartbeats of the stack's workers, seen from a bus client of this test's own (closed
+    with the test, while the stack's nats-server still runs: a nats-py client left
+    reconnecting to a stopped server can hang the event loop's shutdown)."""
+    obs = await Observer.connect(up_stack.nats_url, "gw-e2e-observer")
+    yield obs
+    await obs.close()
+
+
+GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def start_gateway(up_stack: UpStack) -> AsyncIterator[GatewayFactory]:
+    """Start in-process gateways (GatewayConfig fields as keywords); stopped after the test."""
+    started: list[Gateway] = []
+
+    async def start(*, ready: bool = True, **overrides: Any) -> Gateway:
+        """``ready``: return once the gateway saw a live worker of each role."""
+        fields: dict[str, Any] = {
+            "model": up_stack.model_dir,
+            "nats_url": up_stack.nats_url,
+            "port": 0,
+            "shutdown_grace_s": 1.0,
+            **overrides,
+        }
+        gateway = await Gateway.start(GatewayConfig(**fields))
+        started.append(gateway)
+        deadline = time.monotonic() + 10.0
+        while ready and 0 in gateway.registry.counts().values():
+            assert time.monotonic() < deadline, "the gateway saw no heartbeats"
+            await asyncio.sleep(0.05)
+        return gateway
+
+    yield start
+    for gateway in started:
+        await gateway.stop()
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> random.Random:
+    """Random prompts, different per test (prefix caches never join two tests by accident)."""
+    return random.Random(request.node.nodeid)

@@ -1,0 +1,237 @@
+"""The prefill and decode workers as deployed (``kvpush prefill|decode`` processes), driven over
+the bus exactly as the gateway drives them: one RequestEvent on ``req.<P>.<D>``, TokenChunks back.
+
+Three workers start once for the module: P (``wp0``, core 0), D (``wd0``, core 1) and a second
+decode worker ``wd1`` (core 0, ``--max-inflight 2``) whose engine shares no prefix cache with
+``wd0``: it computes every reference answer alone (mode local), so a P/D answer is compared
+with an engine that never saw the moved KV. The last test drains ``wd1`` with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpush.schemas import subjects
+from kvpush.schemas.messages import Abort, FinishReason, KvFailed, TokenChunk, WorkerRole
+from kvpush.services.natsd import EmbeddedNats
+from kvpush.services.workers.registry import Registry
+from tests.integration.worker_proc import Observer, WorkerProc, kill_all, text_of, tokens_of
+
+pytestmark = pytest.mark.engine
+
+P, D, REF = "wp0", "wd0", "wd1"
+MAX_TOKENS = 8
+CONTEXT = 4096
+
+
+@dataclass
+class Workers:
+    observer: Observer
+    procs: dict[str, WorkerProc]
+
+
+@pytest.fixture(scope="module")
+async def workers(
+    tiny_model: Path, nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Workers]:
+    logs = tmp_path_factory.mktemp("worker-logs")
+    url = nats_server.url
+    procs = {
+        P: WorkerProc("prefill", P, url, tiny_model, [0], logs),
+        D: WorkerProc("decode", D, url, tiny_model, [1], logs),
+        REF: WorkerProc("decode", REF, url, tiny_model, [0], logs, "--max-inflight", "2"),
+    }
+    observer = await Observer.connect(url)
+    try:
+        for proc in procs.values():
+            proc.start()
+        await observer.wait_ready(list(procs.values()))
+        yield Workers(observer, procs)
+        for proc in procs.values():
+            assert proc.stop() == 0, proc.tail()
+    finally:
+        kill_all(list(procs.values()))
+        await observer.close()
+
+
+def prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(10, 2000) for _ in range(length)]
+
+
+def assert_well_formed(chunks: list[TokenChunk], finish: FinishReason, prompt_len: int) -> None:
+    """seq 0..n-1; only the last chunk ends the stream and carries usage."""
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    *body, last = chunks
+    assert all(c.finish_reason is None and c.usage is None and c.error is None for c in body)
+    assert last.finish_reason is finish and last.error is None
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        prompt_len,
+        len(tokens_of(chunks)),
+    )
+
+
+async def reference(
+    obs: Observer, ids: list[int], max_tokens: int = MAX_TOKENS
+) -> list[TokenChunk]:
+    """``wd1`` computing the prompt alone (its prefix cache never held this prompt's KV)."""
+    chunks = await obs.generate(obs.event(P, REF, ids, "local", max_tokens))
+    assert_well_formed(chunks, FinishReason.LENGTH, len(ids))
+    assert len(tokens_of(chunks)) == max_tokens
+    return chunks
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("length", [50, 300], ids=["under-1-block", "3-blocks"])
+async def test_decode_streams_what_one_engine_computes_after_the_kv_moved(
+    workers: Workers, rng: random.Random, mode: str, length: int
+) -> None:
+    obs = workers.observer
+    ids = prompt(rng, length)
+    chunks = await obs.generate(obs.event(P, D, ids, mode, MAX_TOKENS))
+    assert_well_formed(chunks, FinishReason.LENGTH, length)
+    expected = await reference(obs, ids)
+    assert tokens_of(chunks) == tokens_of(expected)
+    assert text_of(chunks) == text_of(expected) != ""
+
+
+async def test_a_non_streaming_request_gets_one_chunk_with_every_token(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    ids = prompt(rng, 200)
+    (chunk,) = await obs.generate(obs.event(P, D, ids, "push", 12, stream=False))
+    assert chunk.seq == 0 and chunk.finish_reason is FinishReason.LENGTH
+    assert chunk.token_ids == tokens_of(await reference(obs, ids, 12))
+    assert chunk.usage is not None and chunk.usage.completion_tokens == 12
+
+
+async def test_a_full_decode_worker_answers_overloaded_at_once_and_an_abort_frees_it(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    long = [obs.event(P, REF, prompt(rng, 40), "local", 3000, ignore_eos=True) for _ in range(2)]
+    for event in long:
+        await obs.publish(event)
+    await obs.wait_for(lambda: all(obs.chunks.get(e.request_id) for e in long), 30, "2 running")
+    started = time.monotonic()
+    (refused,) = await obs.generate(obs.event(P, REF, prompt(rng, 40), "local"), timeout_s=5)
+    assert time.monotonic() - started < 1.0
+    assert (refused.seq, refused.error, refused.finish_reason) == (
+        0,
+        "overloaded",
+        FinishReason.ERROR,
+    )
+    for event in long:
+        abort = Abort(transfer_id=event.transfer_id, sender=obs.gateway_id, reason="test")
+        await obs.bus.publish(subjects.abort(REF), abort)
+    for event in long:
+        chunks = await obs.collect(event, 15)
+        assert chunks[-1].finish_reason is FinishReason.ABORT
+        assert 0 < len(tokens_of(chunks)) < 3000
+    served = await obs.generate(obs.event(P, REF, prompt(rng, 40), "local"))
+    assert_well_formed(served, FinishReason.LENGTH, 40)
+
+
+async def test_an_aborted_transfer_frees_every_block_on_both_workers(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    ids = prompt(rng, 700)
+    event = obs.event(P, D, ids, "push", CONTEXT - len(ids) - 8, ignore_eos=True)
+    await obs.publish(event)
+    await obs.wait_for(lambda: len(obs.chunks[event.request_id]) >= 2, 30, "tokens flowing")
+    busy = await obs.fresh_beat(D, lambda b: b.in_flight == 1)
+    assert busy.free_blocks < busy.total_blocks  # the request holds blocks: the check can fail
+    for worker in (P, D):
+        abort = Abort(transfer_id=event.transfer_id, sender=obs.gateway_id, reason="client gone")
+        await obs.bus.publish(subjects.abort(worker), abort)
+    chunks = await obs.collect(event, 15)
+    assert chunks[-1].finish_reason is FinishReason.ABORT
+    for worker in (P, D):
+        await obs.fresh_beat(worker, lambda b: b.in_flight == 0 and b.free_blocks == b.total_blocks)
+
+
+async def test_deadlines_end_requests_late_ones_at_once_running_ones_soon_after(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    failed: list[KvFailed] = []
+
+    async def on_failed(subject: str, message: object) -> None:
+        if isinstance(message, KvFailed):
+            failed.append(message)
+
+    sub = await obs.bus.subscribe(subjects.kv_failed(D), on_failed)
+    late = obs.event(P, D, prompt(rng, 300), "push", deadline_s=-1.0)
+    (chunk,) = await obs.generate(late, timeout_s=5)
+    assert (chunk.error, chunk.finish_reason) == ("deadline", FinishReason.ERROR)
+    await obs.wait_for(lambda: bool(failed), 5, "KvFailed from prefill")
+    assert failed[0].transfer_id == late.transfer_id and failed[0].reason.value == "deadline"
+    await sub.unsubscribe()
+
+    started = time.monotonic()
+    running = obs.event(P, REF, prompt(rng, 40), "local", 4000, ignore_eos=True, deadline_s=0.5)
+    chunks = await obs.generate(running, timeout_s=15)
+    assert (chunks[-1].finish_reason, chunks[-1].error) == (FinishReason.ABORT, "deadline")
+    assert 0.5 < time.monotonic() - started < 5.0
+
+
+async def test_a_request_for_another_model_is_refused(workers: Workers, rng: random.Random) -> None:
+    obs = workers.observer
+    event = obs.event(P, D, prompt(rng, 30), "push", model="some-other-model")
+    (chunk,) = await obs.generate(event, timeout_s=5)
+    assert chunk.finish_reason is FinishReason.ERROR
+    assert chunk.error is not None and "some-other-model" in chunk.error
+
+
+async def test_workers_beat_every_second_and_keep_a_registry_entry(workers: Workers) -> None:
+    obs = workers.observer
+    seen = len(obs.beats[D])
+    await obs.wait_for(lambda: len(obs.beats[D]) >= seen + 3, 6, "3 heartbeats")
+    a, _b, c = obs.beats[D][-3:]
+    assert 0.5 < (c.sent_at_ms - a.sent_at_ms) / 2000 < 1.5
+    assert a.epoch == c.epoch and a.role is WorkerRole.DECODE and a.model == "kvpush-tiny"
+    assert a.side_channel.startswith("tcp://") and a.total_blocks > 0 and not a.draining
+    registry = await Registry.open(obs.bus, 5.0)
+    assert registry is not None
+    entries = {beat.worker_id: beat for beat in await registry.entries()}
+    assert {P, D, REF} <= set(entries)
+    assert entries[P].side_channel == obs.last_beat(P).side_channel
+    assert entries[P].role is WorkerRole.PREFILL
+    # D sends P's side channel with every transfer (the connector probes it if P goes quiet)
+    log = workers.procs[D].log_path.read_text()
+    assert f"prefill {P} ({entries[P].side_channel})" in log
+
+
+async def test_sigterm_drains_a_worker_in_flight_requests_finish_new_ones_do_not_arrive(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    proc = workers.procs[REF]
+    running = obs.event(P, REF, prompt(rng, 40), "local", 3000, ignore_eos=True)
+    await obs.publish(running)
+    await obs.wait_for(lambda: bool(obs.chunks.get(running.request_id)), 30, "first token")
+    proc.signal(signal.SIGTERM)
+    await obs.fresh_beat(REF, lambda b: b.draining, timeout_s=5)
+    await asyncio.sleep(1.0)  # past the drain grace: the request subject is gone
+    assert not obs.finished(running.request_id), "too short to observe the drain"
+    refused = obs.event(P, REF, prompt(rng, 40), "local")
+    await obs.publish(refused)
+    chunks = await obs.collect(running, 60)
+    assert_well_formed(chunks, FinishReason.LENGTH, 40)
+    assert len(tokens_of(chunks)) == 3000
+    assert await asyncio.to_thread(proc.proc.wait, 30) == 0, proc.tail()
+    assert refused.request_id not in obs.chunks
+    registry = await Registry.open(obs.bus, 5.0)
+    assert registry is not None
+    assert REF not in {beat.worker_id for beat in await registry.entries(WorkerRole.DECODE)}
+    assert "drained" in proc.log_path.read_text()
