@@ -102,7 +102,7 @@ class Bus:
         async def on_error(exc: Exception) -> None:
             if bus is None:
                 errors.append(exc)
-                del errors[:-1]
+                del errors[:-8]
             elif isinstance(exc, SlowConsumerError):
                 bus.stats.dropped += 1
                 bus._warn_limited("slow", "slow consumer on %s: message dropped", exc.subject)
@@ -138,7 +138,9 @@ class Bus:
             await asyncio.wait_for(connecting, config.initial_connect_timeout_s)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             await client.close()
-            why = errors[-1] if errors else exc
+            # the server's own word (e.g. Authorization Violation) says more than a reset socket
+            said = [e for e in errors if isinstance(e, nats.errors.Error)]
+            why = (said or errors or [exc])[-1]
             raise BusConnectError(f"cannot connect to NATS at {config.url}: {why!r}") from None
         bus = cls(client, config)
         return bus
