@@ -219,7 +219,9 @@ async def test_a_request_past_its_deadline_is_504_and_its_workers_are_freed(
         await complete(client, "slow", "push", max_tokens=3500, ignore_eos=True)
     assert timed_out.value.status_code == 504
     assert error_of(timed_out.value)["code"] == "timeout"
-    assert 1.0 <= time.monotonic() - started < 5.0
+    waited = time.monotonic() - started
+    assert waited >= 1.0  # not before the deadline
+    assert waited < 5.0  # at the deadline, not after a hang
     await observer.fresh_beat(DECODE_ID, lambda b: b.in_flight == 0, timeout_s=5)
     await assert_serving(up_stack)
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpush.services import models
+from kvpush.services.bus import Bus
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.engine_proc import D_CORES, P_CORES, EngineProc, start_engine
+from tests.integration.gateway_fakes import Stacks, write_model_dir
 
 PREFILL_ID = "p0"
 DECODE_ID = "d0"
@@ -98,6 +100,26 @@ def no_leaked_blocks(pd_engines: tuple[EngineProc, EngineProc]) -> Iterator[None
             15.0,
             f"engine {engine.name} back to {before} free blocks",
         )
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer-only model folder for gateway tests (no weights: no engine reads it)."""
+    return write_model_dir(tmp_path_factory.mktemp("gateway-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture
+async def stack(bus: Bus, model_dir: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    """Gateways plus fake workers on the session's nats-server (tests/integration/gateway_fakes)."""
+    async with Stacks(bus, model_dir, nats_server.url) as make:
+        yield make
 
 
 @pytest.fixture

@@ -66,10 +66,22 @@ def main() -> None:
     model = models.build_model(models.BENCH, work / "bench")
     nats = EmbeddedNats()
     url = nats.start()
-    prefill = start_engine("P", model, P_CORES, work, max_model_len=4096,
-                           kv_transfer_config=connector_config("prefill", PREFILL_ID, url))
-    decode = start_engine("D", model, D_CORES, work, max_model_len=4096,
-                          kv_transfer_config=connector_config("decode", DECODE_ID, url))
+    prefill = start_engine(
+        "P",
+        model,
+        P_CORES,
+        work,
+        max_model_len=4096,
+        kv_transfer_config=connector_config("prefill", PREFILL_ID, url),
+    )
+    decode = start_engine(
+        "D",
+        model,
+        D_CORES,
+        work,
+        max_model_len=4096,
+        kv_transfer_config=connector_config("decode", DECODE_ID, url),
+    )
     observer = Observer(url)
     rng = random.Random(0)
     rows: dict[str, list[float]] = {}
@@ -85,13 +97,35 @@ def main() -> None:
             for _ in range(args.repeats + 1):  # the first round warms both engines up
                 ids = [rng.randrange(10, 8000) for _ in range(args.tokens)]
                 tid = f"tx-{uuid.uuid4().hex[:16]}"
-                kv = {"kvpush": {"transfer_id": tid, "prefill_id": PREFILL_ID,
-                                 "decode_id": DECODE_ID, "mode": mode}}
+                kv = {
+                    "kvpush": {
+                        "transfer_id": tid,
+                        "prefill_id": PREFILL_ID,
+                        "decode_id": DECODE_ID,
+                        "mode": mode,
+                    }
+                }
                 t0 = time.monotonic()
-                prefill.submit([{"request_id": f"p-{tid}", "prompt_token_ids": ids,
-                                 "sampling": sampling(1), "kv_transfer_params": kv}])
-                decode.submit([{"request_id": f"d-{tid}", "prompt_token_ids": ids,
-                                "sampling": sampling(2), "kv_transfer_params": kv}])
+                prefill.submit(
+                    [
+                        {
+                            "request_id": f"p-{tid}",
+                            "prompt_token_ids": ids,
+                            "sampling": sampling(1),
+                            "kv_transfer_params": kv,
+                        }
+                    ]
+                )
+                decode.submit(
+                    [
+                        {
+                            "request_id": f"d-{tid}",
+                            "prompt_token_ids": ids,
+                            "sampling": sampling(2),
+                            "kv_transfer_params": kv,
+                        }
+                    ]
+                )
                 (d_out,) = decode.collect([f"d-{tid}"])
                 (p_out,) = prefill.collect([f"p-{tid}"])
                 if _ == 0:
@@ -111,8 +145,15 @@ def main() -> None:
                     note("pull: KvReady on bus", observer.seen[("KvReady", tid)] - t0)
             for i in range(args.repeats + 1):
                 ids = [rng.randrange(10, 8000) for _ in range(args.tokens)]
-                (out,) = decode.generate([{"request_id": f"agg-{mode}-{i}", "prompt_token_ids": ids,
-                                           "sampling": sampling(2)}])
+                (out,) = decode.generate(
+                    [
+                        {
+                            "request_id": f"agg-{mode}-{i}",
+                            "prompt_token_ids": ids,
+                            "sampling": sampling(2),
+                        }
+                    ]
+                )
                 if i:
                     note(f"aggregated ({mode} round): first token", out["first_output_s"])
     finally:

@@ -5,44 +5,19 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-import pytest
 
 from kvpush.schemas.messages import FinishReason, TransferMode, WorkerRole
 from kvpush.services.bus import Bus
 from kvpush.services.gateway.routing import DECODE_ONLY
-from kvpush.services.natsd import EmbeddedNats
 from tests.integration.gateway_fakes import (
     FakeWorker,
     Stack,
-    Stacks,
     chunk,
     sse_events,
     wait_until,
-    write_model_dir,
 )
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("gateway-model"))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture
-async def stack(bus: Bus, model_dir: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
-    async with Stacks(bus, model_dir, nats_server.url) as make:
-        yield make
-
 
 StackFactory = Callable[..., Awaitable[Stack]]
 

@@ -9,45 +9,22 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from kvpush.schemas.messages import FinishReason
-from kvpush.services.bus import Bus
 from kvpush.services.gateway import add_arguments, serve
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.gateway_fakes import (
     Reply,
     Stack,
-    Stacks,
     chunk,
     sse_events,
     wait_until,
-    write_model_dir,
 )
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("gateway-model"))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture
-async def stack(bus: Bus, model_dir: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
-    async with Stacks(bus, model_dir, nats_server.url) as make:
-        yield make
-
 
 StackFactory = Callable[..., Awaitable[Stack]]
 
