@@ -21,7 +21,8 @@ from msgspec import Meta
 
 PROTOCOL_VERSION: Final = 1
 PROTOCOL_HISTORY: Final = {
-    1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat",
+    1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat;"
+    " optional ``timing`` (Timing) on KvReady, KvPushed and the last TokenChunk",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -50,6 +51,7 @@ PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROM
 Count = Annotated[int, Meta(ge=0, le=2**53)]
 Millis = Annotated[float, Meta(ge=0.0, le=1e12)]
 UnixMillis = Annotated[int, Meta(ge=0, le=2**53)]
+UnixNanos = Annotated[int, Meta(ge=0, le=2**63 - 1, description="unix time in ns; 0: not seen")]
 ShortText = Annotated[str, Meta(max_length=1024)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
 BlockRun = Annotated[
@@ -154,6 +156,28 @@ class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
     side_channel: Address
 
 
+class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Critical-path instants of one request (unix ns, 0 = not seen), in path order.
+
+    Each service fills what it saw: the gateway ``arrived``/``published``/``first_byte``, P
+    ``prefill_received``/``prefill_start``/``prefill_end`` (and ``kv_sent`` in push mode, the
+    last WRITE done), D ``decode_received``/``kv_landed`` (pull: its READ done)/``first_token``.
+    ``kvpush.services.telemetry.breakdown`` turns them into the TTFT breakdown. Clocks of
+    different hosts are compared as they are: keep them NTP-synced.
+    """
+
+    arrived: UnixNanos = 0
+    published: UnixNanos = 0
+    prefill_received: UnixNanos = 0
+    prefill_start: UnixNanos = 0
+    prefill_end: UnixNanos = 0
+    kv_sent: UnixNanos = 0
+    decode_received: UnixNanos = 0
+    kv_landed: UnixNanos = 0
+    first_token: UnixNanos = 0
+    first_byte: UnixNanos = 0
+
+
 class KvReady(msgspec.Struct, **_tag("KvReady")):
     """P -> D on ``kvpush.v1.kv.ready.<decode>`` in pull mode: P's blocks hold the KV; READ them."""
 
@@ -164,6 +188,7 @@ class KvReady(msgspec.Struct, **_tag("KvReady")):
     num_tokens: Count
     compat_hash: CompatHash
     side_channel: Address
+    timing: Timing | None = None  # P's prefill_received/start/end
 
 
 class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
@@ -185,6 +210,7 @@ class KvPushed(msgspec.Struct, **_tag("KvPushed")):
     num_tokens: Count
     push_ms: Millis
     layers: Annotated[list[LayerTiming], Meta(max_length=MAX_LAYERS)] = []
+    timing: Timing | None = None  # P's prefill_received/start/end and kv_sent
 
 
 class KvFailed(msgspec.Struct, **_tag("KvFailed")):
@@ -213,6 +239,7 @@ class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: ShortText | None = None
+    timing: Timing | None = None  # the last chunk only: what D knows of the critical path
 
 
 class Abort(msgspec.Struct, **_tag("Abort")):

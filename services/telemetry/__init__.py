@@ -1,0 +1,1 @@
+"""Tracing setup, span records, the TTFT breakdown and the ``kvpush ttft`` report."""
