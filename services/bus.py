@@ -3,7 +3,8 @@
 ``Bus`` owns one nats-py connection. ``publish`` encodes a struct (``kvpush.schemas.codec``),
 opens a PRODUCER span ``bus.publish`` and injects W3C ``traceparent`` into the NATS headers.
 ``subscribe`` decodes each message through the one decode path, opens a CONSUMER span
-``bus.receive`` whose parent is the publisher's context, and calls the handler inside it.
+``bus.receive`` whose parent is the publisher's context (only for a message that carries one:
+heartbeats make no root-span noise), and calls the handler inside it.
 A malformed message is logged (at most once a second per subject kind) and counted in
 ``Bus.stats``; the subscription keeps running. A handler exception is logged and counted too.
 
@@ -187,8 +188,11 @@ class Bus:
         *,
         queue: str = "",
         pending_msgs_limit: int | None = None,
+        span: bool = True,
     ) -> Subscription:
-        """Deliver every valid message on ``subject_filter`` to ``handler(subject, message)``."""
+        """Deliver every valid message on ``subject_filter`` to ``handler(subject, message)``.
+
+        ``span=False``: no ``bus.receive`` span (hot paths such as token chunks)."""
 
         async def on_message(msg: Msg) -> None:
             self.stats.received += 1
@@ -200,7 +204,15 @@ class Bus:
                     exc.kind.value, "dropped bad message on %s: %s", msg.subject, exc
                 )
                 return
-            parent = propagate.extract(msg.headers or {})
+            if not span or not msg.headers or "traceparent" not in msg.headers:
+                # No trace to join (heartbeats, token chunks): no span, no root-span noise.
+                try:
+                    await handler(msg.subject, message)
+                except Exception:
+                    self.stats.handler_errors += 1
+                    log.exception("handler for %s failed on %s", subject_filter, msg.subject)
+                return
+            parent = propagate.extract(msg.headers)
             with _tracer.start_as_current_span(
                 "bus.receive",
                 context=parent,

@@ -136,8 +136,12 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
         sub.add_parser("gateway", help=f"{text} (unavailable)").set_defaults(func=unavailable)
         return
-    parser = sub.add_parser("gateway", help=text, description=gateway_app.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sub.add_parser(
+        "gateway",
+        help=text,
+        description=gateway_app.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gateway_app.add_arguments(parser)
     parser.set_defaults(func=gateway_app.main)
 
@@ -221,12 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.choices["up"].set_defaults(func=_cmd_up)
     _add_gateway(sub)
+    from kvpush.services.telemetry import ttft
+
+    ttft.add_parser(sub)
     for role, func, text in (
         ("prefill", _cmd_prefill, "prefill worker: computes prompts, pushes their KV"),
         ("decode", _cmd_decode, "decode worker: receives KV, streams tokens to the gateway"),
     ):
-        worker = sub.add_parser(role, help=text, description=text + ". Flags override the "
-                                "KVPUSH_* environment variables named in their help.")
+        worker = sub.add_parser(
+            role,
+            help=text,
+            description=text + ". Flags override the "
+            "KVPUSH_* environment variables named in their help.",
+        )
         worker_config.add_arguments(worker)
         worker.set_defaults(func=func)
     return parser

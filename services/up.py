@@ -50,6 +50,8 @@ class UpConfig:
     port: int = 8000
     mode: str = "push"
     max_inflight: int | None = None
+    local_threshold: int | None = None
+    trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 45.0
@@ -86,6 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="requests at once per worker (default: the workers' default)",
+    )
+    add(
+        "--local-threshold",
+        dest="local_threshold",
+        type=int,
+        metavar="N",
+        help="prompts under N tokens are served by decode alone (gateway default 256; 0: never)",
+    )
+    add(
+        "--trace-file",
+        dest="trace_file",
+        metavar="PATH",
+        help="every service appends its spans to PATH as JSON lines; then run "
+        "`kvpush ttft PATH --png waterfall.png` for the TTFT breakdown",
     )
     add(
         "--log-dir",
@@ -181,6 +197,8 @@ class Stack:
         cfg = self.config
         cores = sorted(os.sched_getaffinity(0))
         common = ["--nats-url", self.nats_url, "--model", self.model_dir]
+        if cfg.trace_file:
+            common += ["--trace-file", str(Path(cfg.trace_file).resolve())]
         cli = [sys.executable, "-m", "kvpush.services.cli"]
         # an external NATS may be shared: make this stack's worker ids unique on it
         suffix = "" if self.nats is not None else f"-{os.getpid()}"
@@ -193,6 +211,8 @@ class Stack:
                 argv += ["--max-inflight", str(cfg.max_inflight)]
             self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", [core]))
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode}".split()
+        if cfg.local_threshold is not None:
+            options += ["--local-threshold", str(cfg.local_threshold)]
         argv = [*cli, "gateway", *common, *options]
         self.gateway = Child("gateway", argv, Path(cfg.log_dir) / "gateway.log")
 

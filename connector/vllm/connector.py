@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
 from kvpush.connector.vllm.scheduler import SchedulerHalf
 from kvpush.connector.vllm.worker import WorkerHalf
+from kvpush.services.telemetry.setup import configure_from_env
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,9 @@ class KVPushConnector(KVConnectorBase_V1):
         transfer_config = vllm_config.kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
+        # An engine in its own process traces only if the worker passed KVPUSH_TRACE_FILE or
+        # OTEL_* down; in the worker's process this finds the provider already installed.
+        configure_from_env(f"kvpush-{settings.role.value}")
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:

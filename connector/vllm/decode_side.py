@@ -25,10 +25,18 @@ from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.sidechannel import TransportError, fetch_peer
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
+from kvpush.connector.vllm import timing
 from kvpush.connector.vllm.metadata import ConnectorSettings, DecodeWork, ReceiveKind
 from kvpush.connector.vllm.runtime import BusThread, add_pending, notify
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import Abort, AbortAck, BlocksAnnounced, KvFailed, KvReady
+from kvpush.schemas.messages import (
+    Abort,
+    AbortAck,
+    BlocksAnnounced,
+    KvFailed,
+    KvPushed,
+    KvReady,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,7 @@ class Incoming:
     outcome: TransferState | None = None
     failed: bool = False
     request_ended: bool = False
+    waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
 
 
 class DecodeSide:
@@ -61,6 +70,7 @@ class DecodeSide:
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
         bus.subscribe(subjects.kv_failed(me), self.on_bus)
         bus.subscribe(subjects.abort(me), self.on_bus)
+        bus.subscribe(subjects.kv_done(me), self.on_pushed)
 
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
@@ -76,9 +86,16 @@ class DecodeSide:
             self._apply(inc, message)
         notify()
 
+    def on_pushed(self, subject: str, message: object) -> None:
+        """KvPushed is P's report (the NIXL notice already completed the receive): its
+        instants go to the marks table for the request's TokenChunk."""
+        if isinstance(message, KvPushed):
+            timing.record_timing(message.transfer_id, message.timing)
+
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
         tid = inc.work.params.transfer_id
         if isinstance(message, KvReady):
+            timing.record_timing(tid, message.timing)
             if inc.work.kind is ReceiveKind.PULL and not inc.started and inc.outcome is None:
                 self._start_pull(inc, message)
         elif isinstance(message, KvFailed):
@@ -144,6 +161,7 @@ class DecodeSide:
         inc = Incoming(item, time.monotonic() + timeout, peer=item.params.prefill_address)
         self._by_tid[tid] = inc
         add_pending(1)
+        started_ns = timing.now_ns()
         if item.kind is ReceiveKind.PUSH:
             self.transport.expect(tid, timeout, peer=item.params.prefill_address)
             inc.started = True
@@ -159,6 +177,16 @@ class DecodeSide:
                     compat_hash=self.transport.compat_hash,
                     side_channel=self.transport.address,
                 ),
+                timing.parent(item.params.traceparent),
+            )
+        inc.waiting_since_ns = timing.now_ns()
+        if item.kind is ReceiveKind.PUSH:
+            timing.emit(
+                "blocks.announce",
+                item.params.traceparent,
+                started_ns,
+                inc.waiting_since_ns,
+                {"kvpush.transfer_id": tid, "kvpush.blocks": len(item.block_ids)},
             )
         early = self._early.pop(tid, None)
         if early is not None:
@@ -170,6 +198,7 @@ class DecodeSide:
             Abort(
                 transfer_id=item.params.transfer_id, sender=self.settings.worker_id, reason=reason
             ),
+            timing.parent(item.params.traceparent),
         )
 
     def _abort(self, inc: Incoming, reason: str) -> None:
@@ -183,10 +212,38 @@ class DecodeSide:
             self._tell_prefill(inc.work, reason)
             self._settle(inc, TransferState.ABORTED)
 
-    def _settle(self, inc: Incoming, state: TransferState) -> None:
-        if inc.outcome is None:
-            inc.outcome = state
-            inc.failed = state is not TransferState.DONE
+    def _settle(
+        self, inc: Incoming, state: TransferState, event: TransferEvent | None = None
+    ) -> None:
+        if inc.outcome is not None:
+            return
+        inc.outcome = state
+        inc.failed = state is not TransferState.DONE
+        params = inc.work.params
+        landed_ns = event.ended_ns if event is not None and event.ended_ns else timing.now_ns()
+        pull = inc.work.kind is ReceiveKind.PULL
+        if not inc.failed:
+            timing.record(
+                params.transfer_id,
+                decode_received=params.received_ns,
+                kv_landed=landed_ns,
+                kv_sent=landed_ns if pull else 0,  # pull: our READ done is the transfer's end
+            )
+        if not timing.enabled():
+            return
+        attrs = {"kvpush.transfer_id": params.transfer_id, "kvpush.mode": params.mode.value}
+        error = f"{state.value}: fell back to local prefill" if inc.failed else None
+        if pull and event is not None and event.started_ns:
+            timing.emit(
+                "kv.pull",
+                params.traceparent,
+                event.started_ns,
+                event.ended_ns,
+                {**attrs, "kvpush.bytes": event.bytes, "kvpush.descriptors": event.descriptors},
+                error=error,
+            )
+        since_ns = inc.waiting_since_ns
+        timing.emit("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
 
     def _probe(self, inc: Incoming, address: str) -> None:
         """P never acknowledged: if its side channel is gone, P is dead and nothing can land."""
@@ -220,7 +277,7 @@ class DecodeSide:
                 if inc is None:
                     continue
                 if event.quiesced:
-                    self._settle(inc, event.state)
+                    self._settle(inc, event.state, event)
                 elif event.state in (TransferState.EXPIRED, TransferState.FAILED):
                     self._abort(inc, f"decode gave up: {event.state.value}")
             now = time.monotonic()

@@ -32,6 +32,7 @@ class TransferParams(msgspec.Struct, frozen=True):
     deadline_ms: int = 0  # unix ms; 0: the connector's transfer_timeout_s from now
     traceparent: str | None = None
     prefill_address: str | None = None  # P's side channel (from its heartbeat): liveness probe
+    received_ns: int = 0  # unix ns the worker got the RequestEvent (queue spans start here)
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` dict to put on a request."""
@@ -110,6 +111,7 @@ class DecodeWork(msgspec.Struct, frozen=True):
     block_ids: list[int] = []
     first_token: int = 0
     num_tokens: int = 0
+    allocated_ns: int = 0  # unix ns the scheduler allocated the blocks
 
 
 class KVPushMetadata(KVConnectorMetadata):

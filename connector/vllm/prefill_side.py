@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
+from kvpush.connector.vllm import timing
 from kvpush.connector.vllm.metadata import ConnectorSettings, PrefillWork, TransferParams
 from kvpush.connector.vllm.runtime import BusThread, add_pending
 from kvpush.schemas import subjects
+from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
     Abort,
     AbortAck,
@@ -34,6 +36,7 @@ from kvpush.schemas.messages import (
     KvFailed,
     KvPushed,
     KvReady,
+    Timing,
     TransferMode,
 )
 
@@ -54,6 +57,16 @@ class Outgoing:
     finished_posting: bool = False
     outcome: TransferState | None = None  # set once quiesced: blocks may be released
     req_finished: bool = False
+    compute_start_ns: int = 0  # unix ns: first engine step of the request
+    compute_end_ns: int = 0  # every layer of its last prompt token computed
+
+    def timing(self, kv_sent_ns: int = 0) -> Timing:
+        return Timing(
+            prefill_received=self.params.received_ns,
+            prefill_start=self.compute_start_ns,
+            prefill_end=self.compute_end_ns,
+            kv_sent=kv_sent_ns,
+        )
 
 
 class PrefillSide:
@@ -112,6 +125,7 @@ class PrefillSide:
                         item.block_ids,
                         item.num_tokens,
                         time.monotonic() + item.params.timeout_s(self.settings.transfer_timeout_s),
+                        compute_start_ns=timing.now_ns(),
                     )
                     self._by_tid[tid] = out
                     self._tid_of[item.req_id] = tid
@@ -181,6 +195,8 @@ class PrefillSide:
         self._maybe_finish(out)
 
     def _maybe_finish(self, out: Outgoing) -> None:
+        if not out.compute_end_ns and len(out.computed) == self.num_layers:
+            out.compute_end_ns = timing.now_ns()
         if out.started and not out.finished_posting and len(out.computed) == self.num_layers:
             out.finished_posting = True
             if out.params.mode is TransferMode.PUSH:
@@ -194,7 +210,8 @@ class PrefillSide:
         remaining = max(0.05, out.deadline - time.monotonic())
         self.transport.expect(tid, remaining)
         out.started = out.finished_posting = True
-        self.bus.publish(
+        self._publish(
+            out.params,
             subjects.kv_ready(out.params.decode_id),
             KvReady(
                 transfer_id=tid,
@@ -204,7 +221,11 @@ class PrefillSide:
                 num_tokens=out.num_tokens,
                 compat_hash=self.transport.compat_hash,
                 side_channel=self.transport.address,
+                timing=out.timing(),
             ),
+        )
+        timing.emit(
+            "kv.ready", out.params.traceparent, out.compute_end_ns, timing.now_ns(), _attrs(out)
         )
 
     def _abort(self, out: Outgoing, detail: str) -> None:
@@ -246,9 +267,11 @@ class PrefillSide:
         out.outcome = state
         tid, p = out.params.transfer_id, out.params
         me = self.settings.worker_id
+        settled_ns = timing.now_ns()
         if state is TransferState.DONE:
             if p.mode is TransferMode.PUSH and event is not None:
-                self.bus.publish(
+                self._publish(
+                    p,
                     subjects.kv_done(p.decode_id),
                     KvPushed(
                         transfer_id=tid,
@@ -259,12 +282,15 @@ class PrefillSide:
                         num_tokens=out.num_tokens,
                         push_ms=event.elapsed_ms,
                         layers=event.layers,
+                        timing=out.timing(event.ended_ns),
                     ),
                 )
+                timing.emit("kv.push.done", p.traceparent, settled_ns, timing.now_ns(), _attrs(out))
         elif state is TransferState.ABORTED:
-            self.bus.publish(subjects.abort(p.decode_id), AbortAck(transfer_id=tid, prefill_id=me))
+            self._publish(p, subjects.abort(p.decode_id), AbortAck(transfer_id=tid, prefill_id=me))
         else:
-            self.bus.publish(
+            self._publish(
+                p,
                 subjects.kv_failed(p.decode_id),
                 KvFailed(
                     transfer_id=tid,
@@ -274,6 +300,42 @@ class PrefillSide:
                     detail=detail[:1000],
                 ),
             )
+        self._trace(out, state, event, detail)
+
+    @staticmethod
+    def _trace(
+        out: Outgoing, state: TransferState, event: TransferEvent | None, detail: str
+    ) -> None:
+        """P's spans of a settled transfer: queue, compute and (push) the WRITEs."""
+        if not timing.enabled():
+            return
+        p, attrs = out.params, _attrs(out)
+        error = None if state is TransferState.DONE else f"{state.value}: {detail}"[:300]
+        timing.emit("prefill.queue", p.traceparent, p.received_ns, out.compute_start_ns, attrs)
+        timing.emit(
+            "prefill.compute",
+            p.traceparent,
+            out.compute_start_ns,
+            out.compute_end_ns or timing.now_ns(),
+            {**attrs, "gen_ai.usage.input_tokens": out.num_tokens},
+        )
+        if p.mode is TransferMode.PUSH and event is not None and event.started_ns:
+            layers = [
+                ("layer", event.started_ns + int(lt.done_ms * 1e6), {"layer": lt.layer})
+                for lt in event.layers
+            ]
+            timing.emit(
+                "kv.push",
+                p.traceparent,
+                event.started_ns,
+                event.ended_ns,
+                {**attrs, "kvpush.bytes": event.bytes, "kvpush.descriptors": event.descriptors},
+                layers,
+                error,
+            )
+
+    def _publish(self, params: TransferParams, subject: str, message: BusMessage) -> None:
+        self.bus.publish(subject, message, timing.parent(params.traceparent))
 
     def collect(self, finished_req_ids: set[str], events: list[TransferEvent]) -> set[str]:
         """Apply transport events and finished requests; return req ids whose blocks may go."""
@@ -307,3 +369,11 @@ class PrefillSide:
                     self._tid_of.pop(out.req_id, None)
                     add_pending(-1)
             return released
+
+
+def _attrs(out: Outgoing) -> dict[str, str | int]:
+    return {
+        "kvpush.transfer_id": out.params.transfer_id,
+        "kvpush.mode": out.params.mode.value,
+        "kvpush.decode_id": out.params.decode_id,
+    }

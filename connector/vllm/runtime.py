@@ -22,8 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 
 from kvpush.schemas.codec import BusMessage
 from kvpush.services.bus import Bus, BusConfig
@@ -114,10 +118,17 @@ class BusThread:
         self._loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
         self._loop.close()
 
-    def publish(self, subject: str, message: BusMessage) -> Future[None]:
-        """Publish from any thread; returns a future (errors are logged, never raised here)."""
+    def publish(
+        self, subject: str, message: BusMessage, context: Context | None = None
+    ) -> Future[None]:
+        """Publish from any thread; returns a future (errors are logged, never raised here).
+
+        ``context``: the request's trace context, so the ``bus.publish`` span and the message's
+        traceparent join the request's trace instead of starting one of their own."""
         assert self._bus is not None
-        future = asyncio.run_coroutine_threadsafe(self._bus.publish(subject, message), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            _in_context(context, self._bus.publish(subject, message)), self._loop
+        )
         future.add_done_callback(_log_failure)
         return future
 
@@ -143,6 +154,15 @@ class BusThread:
                 log.debug("bus drain on close: %s", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+
+
+async def _in_context(context: Context | None, work: Coroutine[Any, Any, None]) -> None:
+    token = otel_context.attach(context) if context is not None else None
+    try:
+        await work
+    finally:
+        if token is not None:
+            otel_context.detach(token)
 
 
 def _log_failure(future: Future[None]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpush.connector.vllm import runtime
+from kvpush.connector.vllm import runtime, timing
 from kvpush.connector.vllm.metadata import (
     ConnectorSettings,
     DecodeWork,
@@ -79,6 +79,14 @@ class SchedulerHalf:
         req_id = request.request_id
         self._handled.add(req_id)
         num_tokens = request.num_prompt_tokens
+        allocated_ns = timing.now_ns()
+        timing.emit(
+            "decode.allocate",
+            params.traceparent,
+            params.received_ns,
+            allocated_ns,
+            {"kvpush.transfer_id": params.transfer_id, "kvpush.from_peer": num_external_tokens > 0},
+        )
         if num_external_tokens <= 0:
             self._meta.decode.append(DecodeWork(ReceiveKind.LOCAL, req_id, params))
             return
@@ -95,6 +103,7 @@ class SchedulerHalf:
                 list(all_blocks[first_block:last_block]),
                 first_token,
                 num_tokens,
+                allocated_ns,
             )
         )
         self._receiving[req_id] = params

@@ -33,7 +33,8 @@ from aiohttp import web
 from nats.aio.subscription import Subscription
 
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import TransferMode
+from kvpush.schemas.messages import TransferMode, WorkerRole
+from kvpush.services import telemetry
 from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.gateway.handlers import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
@@ -62,6 +63,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails
     shutdown_grace_s: float = 30.0
+    trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
 
     def __post_init__(self) -> None:
         subjects.check_id(self.gateway_id)
@@ -173,10 +175,17 @@ _OPTIONS: dict[str, tuple[str, str, Any, str]] = {
         float,
         "seconds in-flight requests get on SIGTERM (30)",
     ),
+    "trace_file": (
+        "--trace-file",
+        "KVPUSH_TRACE_FILE",
+        str,
+        "append finished spans to this file as JSON lines (read with `kvpush ttft`)",
+    ),
 }
 
 
 _METAVARS = {
+    "trace_file": "PATH",
     "model": "DIR",
     "served_model_name": "NAME",
     "host": "ADDR",
@@ -220,6 +229,7 @@ class Gateway:
         )
         self._tasks: set[asyncio.Task[None]] = set()
         self._heartbeats: Subscription | None = None
+        self._kv_events: Subscription | None = None
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self.url = ""
@@ -249,6 +259,9 @@ class Gateway:
     async def _setup(self) -> None:
         await self.streams.start()
         self._heartbeats = await self.bus.subscribe(subjects.heartbeats(), self.registry.on_message)
+        self._kv_events = await self.bus.subscribe(
+            subjects.kv_events(), self.api.observer.on_kv_event, span=False
+        )
         app = web.Application(client_max_size=self.config.max_body_bytes)
         self.api.add_routes(app)
         self._runner = web.AppRunner(
@@ -261,6 +274,13 @@ class Gateway:
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
     def _register_metric_sources(self) -> None:
+        self.metrics.set_workers(
+            lambda: [
+                state.heartbeat
+                for role in WorkerRole
+                for state in self.registry.alive(role, include_draining=True)
+            ]
+        )
         self.metrics.add_source(
             "gauge",
             "kvpush_gateway_workers",
@@ -305,9 +325,10 @@ class Gateway:
         await self.streams.stop()  # fails what is still running: those requests abort
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._heartbeats is not None:
-            with contextlib.suppress(Exception):
-                await self._heartbeats.unsubscribe()
+        for subscription in (self._heartbeats, self._kv_events):
+            if subscription is not None:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5.0)
         self.api.close()
@@ -319,6 +340,7 @@ class Gateway:
 async def serve(args: argparse.Namespace) -> int:
     """Run one gateway until SIGTERM or SIGINT, then stop it gracefully."""
     config = GatewayConfig.from_args(args)
+    telemetry.configure("kvpush-gateway", config.trace_file)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

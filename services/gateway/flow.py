@@ -31,8 +31,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import FinishReason, RequestEvent, TokenChunk
+from kvpush.schemas.messages import FinishReason, RequestEvent, Timing, TokenChunk
 from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.observe import FinishedRequest
 from kvpush.services.gateway.routing import NoWorkerError
 from kvpush.services.gateway.streaming import StreamFailed
 
@@ -58,6 +59,10 @@ class RequestFlow:
         self.gw, self.request, self.endpoint, self.span = gw, request, endpoint, span
         self.loop = asyncio.get_running_loop()
         self.arrived = self.loop.time()
+        self.arrived_ns = time.time_ns()
+        self.published_ns = self.first_byte_ns = self.last_chunk_ns = 0
+        self.worker_timing: Timing | None = None  # from the last TokenChunk
+        self.status = "client disconnected"
         self.first_at: float | None = None
         self.ended = False  # D reported the end (final chunk or error): nothing to abort on D
         self.worker_error = False  # ... with an error: P may still be working, abort it
@@ -126,6 +131,8 @@ class RequestFlow:
         self.first_byte = _tracer.start_span("gateway.first_byte")
         try:
             await self._publish(event)
+            self.published_ns = time.time_ns()
+            gw.observer.track(transfer_id, route.mode.value)
             gw.metrics.routed.labels(route.mode.value).inc()
             gw.metrics.prompt_tokens.inc(len(ids))
             if parsed.stream:
@@ -144,6 +151,34 @@ class RequestFlow:
                 gw.spawn(gw.abort(route, transfer_id, self.abort_reason, decode=True))
             elif self.worker_error and route.prefill_epoch is not None:
                 gw.spawn(gw.abort(route, transfer_id, "decode worker error", decode=False))
+            gw.observer.finished(self._finished(request_id, transfer_id))
+
+    def _finished(self, request_id: str, transfer_id: str) -> FinishedRequest:
+        context = self.span.get_span_context()
+        ok = self.ended and not self.worker_error
+        return FinishedRequest(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            trace_id=f"{context.trace_id:032x}" if context.trace_id else "",
+            mode=self.route.mode.value,
+            status="ok" if ok else (self.status if self.ended else self.abort_reason),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            arrived_ns=self.arrived_ns,
+            published_ns=self.published_ns,
+            first_byte_ns=self.first_byte_ns,
+            last_chunk_ns=self.last_chunk_ns,
+            worker_timing=self.worker_timing,
+        )
+
+    def _first_byte(self) -> None:
+        """The first token goes to the client now (stream) or is here (stream=false)."""
+        if self.first_at is not None:
+            return
+        self.first_at = self.loop.time()
+        self.first_byte_ns = time.time_ns()
+        self.first_byte.end()
+        self.gw.metrics.ttft.labels(self.route.mode.value).observe(self.first_at - self.arrived)
 
     async def _publish(self, event: RequestEvent) -> None:
         try:
@@ -179,16 +214,16 @@ class RequestFlow:
             except StreamFailed as exc:
                 self.abort_reason = f"stream failed: {exc}"
                 raise api.ApiError(503, str(exc), type_="service_unavailable") from None
-            if self.first_at is None:
-                self.first_at = self.loop.time()
-                self.first_byte.end()
-                self.gw.metrics.ttft.labels(self.route.mode.value).observe(
-                    self.first_at - self.arrived
-                )
+            if not self.parsed.stream:
+                self._first_byte()
             self.completion_tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                self.last_chunk_ns = time.time_ns()
+                self.worker_timing = chunk.timing
             if chunk.error is not None or chunk.finish_reason is FinishReason.ERROR:
                 self.ended = self.worker_error = True
                 why = chunk.error or "unspecified"
+                self.status = f"worker error: {why}"[:200]
                 self.span.set_status(StatusCode.ERROR, f"worker error: {why}")
                 raise api.ApiError(502, f"worker error: {why}", type_="worker_error")
             if chunk.finish_reason is not None:
@@ -241,6 +276,7 @@ class RequestFlow:
                 if chunk.text or chunk.token_ids or finish:
                     await self._send(response, self.shaper.chunk(chunk.text, finish, first=first))
                     first = False
+                self._first_byte()
                 if finish:
                     self.span.set_attribute("gen_ai.response.finish_reasons", [finish])
                     if self.parsed.include_usage:

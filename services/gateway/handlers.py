@@ -1,11 +1,13 @@
 """HTTP handlers and per-gateway request state: auth, OpenAI error bodies, endpoints.
 
 ``GatewayApi`` owns the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/ready``, ``/metrics``), one middleware (Bearer API keys on ``/v1/*``; every
-error, including aiohttp's own 404/405/413, answered as OpenAI error JSON; any unexpected
-exception logged and answered as a bare 500, never a stack trace; request counts), the
-in-flight bound (429) and draining flag (503), tokenization on one dedicated thread, and abort
-publishing. The generation flow itself is ``flow.RequestFlow``.
+``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``), one
+middleware (Bearer API keys on ``/v1/*``; every error, including aiohttp's own 404/405/413,
+answered as OpenAI error JSON; any unexpected exception logged and answered as a bare 500,
+never a stack trace; request counts), the in-flight bound (429) and draining flag (503),
+tokenization on one dedicated thread, and abort publishing. The generation flow itself is
+``flow.RequestFlow``; what is learned after a request (breakdown, KV transfers) is
+``observe.Observer``'s.
 
 Threading model: every handler runs on the gateway's event loop; the tokenizer runs on the
 single ``kvpush-tokenize`` thread (HF fast tokenizers must not be used by two threads at once).
@@ -28,9 +30,12 @@ from opentelemetry.trace import SpanKind
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
 from kvpush.services.bus import Bus
+from kvpush.services.gateway import dashboard
 from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.flow import RequestFlow, json_response
 from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kvpush.services.gateway.observe import Observer
 from kvpush.services.gateway.routing import Route, Router
 from kvpush.services.gateway.streaming import TokenStreams
 
@@ -62,6 +67,8 @@ class GatewayApi:
         self.draining = False
         self.started = int(time.time())
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
+        self.recent = RecentRequests()
+        self.observer = Observer(metrics, self.recent)
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -73,6 +80,7 @@ class GatewayApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
+        dashboard.add_routes(app, self.recent, self.dashboard_counters)
         app.middlewares.append(self.middleware)
 
     # ---- cross-cutting: auth, OpenAI error bodies, request counts ---------------------------
@@ -143,6 +151,21 @@ class GatewayApi:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    def dashboard_counters(self) -> dict[str, float]:
+        quantiles = self.recent.ttft_quantiles(0.5, 0.99)
+        workers = self.router.registry.counts()
+        counts = self.observer.counts
+        return {
+            "in_flight": float(self.in_flight),
+            "served": float(counts["ok"]),
+            "failed": float(counts["failed"]),
+            "ttft_p50_ms": quantiles[0.5] if quantiles[0.5] is not None else float("nan"),
+            "ttft_p99_ms": quantiles[0.99] if quantiles[0.99] is not None else float("nan"),
+            "prefill_workers": float(workers.get("prefill", 0)),
+            "decode_workers": float(workers.get("decode", 0)),
+            "kv_fallbacks": float(counts["kv_failed"]),
+        }
 
     async def list_models(self, request: web.Request) -> web.Response:
         card = {

@@ -1,8 +1,12 @@
 """Prometheus metrics of one gateway, in its own registry (two gateways in one process work).
 
 Exposed at ``/metrics`` in the Prometheus text format 0.0.4. Counters by endpoint and HTTP
-status, requests in flight, TTFT and end-to-end latency histograms, token counts, routing modes,
-aborts, and gauges read at scrape time (live workers by role, token-stream anomalies).
+status, requests in flight, TTFT / TPOT / end-to-end latency histograms, the TTFT breakdown
+(``kvpush_gateway_ttft_part_seconds{part}``), token counts, routing modes, aborts, KV transfers
+of this gateway's requests (bytes, seconds, outcomes, failures by reason, from the bus's
+KvPushed / KvReady / KvFailed), and gauges read at scrape time (live workers by role,
+token-stream anomalies, per worker free/total blocks, queue depth and in-flight requests from
+the workers' heartbeats).
 
 Threading model: prometheus-client metrics are thread-safe; the gateway updates them from its
 event loop, and ``render`` runs there too.
@@ -15,6 +19,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvpush.schemas.messages import WorkerHeartbeat
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
@@ -39,6 +45,33 @@ LATENCY_BUCKETS = (
 )
 
 
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+PART_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+WORKER_GAUGES = (
+    ("kvpush_worker_free_blocks", "free KV blocks of the worker's engine", "free_blocks"),
+    ("kvpush_worker_total_blocks", "KV blocks of the worker's engine", "total_blocks"),
+    ("kvpush_worker_queue_depth", "requests waiting for their first step", "queue_depth"),
+    ("kvpush_worker_in_flight", "requests the worker is serving", "in_flight"),
+)
+
+
 class GatewayMetrics:
     """The gateway's metric families; see the module docstring."""
 
@@ -59,6 +92,45 @@ class GatewayMetrics:
             "request arrival to the first token chunk, by transfer mode",
             ["mode"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvpush_gateway_time_per_output_token_seconds",
+            "mean time between output tokens after the first, per request, by transfer mode",
+            ["mode"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.ttft_part = Histogram(
+            "kvpush_gateway_ttft_part_seconds",
+            "TTFT breakdown: time of each critical-path part (see kvpush ttft), per request",
+            ["part"],
+            buckets=PART_BUCKETS,
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "kvpush_kv_transfer_bytes",
+            "KV bytes moved for this gateway's requests (push: reported by P), by mode",
+            ["mode"],
+            registry=r,
+        )
+        self.kv_seconds = Histogram(
+            "kvpush_kv_transfer_seconds",
+            "push: first WRITE posted to last WRITE done, as P reports it",
+            ["mode"],
+            buckets=PART_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            "kvpush_kv_transfers",
+            "KV transfers of this gateway's requests by outcome (done, ready, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_failures = Counter(
+            "kvpush_kv_transfer_failures",
+            "failed KV transfers by reason; decode then computes the prompt itself (fallback)",
+            ["reason"],
             registry=r,
         )
         self.e2e = Histogram(
@@ -85,6 +157,12 @@ class GatewayMetrics:
         )
         self._sources: list[tuple[str, str, str, str, Callable[[], dict[str, float]]]] = []
         r.register(_SourceCollector(self._sources))
+        self._heartbeats: Callable[[], list[WorkerHeartbeat]] = list
+        r.register(_WorkerCollector(lambda: self._heartbeats()))
+
+    def set_workers(self, read: Callable[[], list[WorkerHeartbeat]]) -> None:
+        """Where the per-worker gauges come from: the live workers' last heartbeats."""
+        self._heartbeats = read
 
     def add_source(
         self, kind: str, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]
@@ -108,4 +186,17 @@ class _SourceCollector(Collector):
             family = family_type(name, doc, labels=[label])
             for value_label, value in read().items():
                 family.add_metric([value_label], value)
+            yield family
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, read: Callable[[], list[WorkerHeartbeat]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        beats = self._read()
+        for name, doc, field in WORKER_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["worker", "role"])
+            for hb in beats:
+                family.add_metric([hb.worker_id, hb.role.value], float(getattr(hb, field)))
             yield family

@@ -121,7 +121,7 @@ class TokenStreams:
         self._subscription: Subscription | None = None
 
     async def start(self) -> None:
-        self._subscription = await self.bus.subscribe(self.subject, self._on_message)
+        self._subscription = await self.bus.subscribe(self.subject, self._on_message, span=False)
 
     async def stop(self) -> None:
         if self._subscription is not None:

@@ -20,7 +20,7 @@ streaming           first_token -> first_byte (token chunk over the bus, gateway
 
 Two sources feed it: spans (``timing_from_spans``, used by ``kvpush ttft``) and the ``timing``
 fields carried on the bus (KvPushed / KvReady / last TokenChunk, used by the gateway for
-``/dashboard`` and the ``kvpush_ttft_part_seconds`` histogram).
+``/dashboard`` and the ``kvpush_gateway_ttft_part_seconds`` histogram).
 
 Threading model: pure functions.
 """

@@ -31,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 from kvpush.services.telemetry.spans import JsonLinesExporter
 
@@ -85,6 +86,25 @@ def exporters_from_env(trace_file: str | None = None) -> list[SpanExporter]:
     return exporters
 
 
+class UrandomIdGenerator(IdGenerator):
+    """Span and trace ids from ``os.urandom``. The SDK's default draws from the ``random``
+    module, which vLLM seeds with the engine's seed in every engine process: a prefill and a
+    decode worker then made the *same* span ids (seen as parent links pointing at the wrong
+    process's span)."""
+
+    def generate_span_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(8), "big")
+            if value:
+                return value
+
+    def generate_trace_id(self) -> int:
+        while True:
+            value = int.from_bytes(os.urandom(16), "big")
+            if value:
+                return value
+
+
 def configure(service_name: str, trace_file: str | None = None) -> bool:
     """Install the global tracer provider; False (and nothing installed) when tracing is off.
 
@@ -99,7 +119,7 @@ def configure(service_name: str, trace_file: str | None = None) -> bool:
     if trace_file:
         os.environ[TRACE_FILE_ENV] = os.path.abspath(trace_file)
     resource = Resource.create({"service.name": service_name, "service.namespace": "kvpush"})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=UrandomIdGenerator())
     for exporter in exporters:
         provider.add_span_processor(
             BatchSpanProcessor(exporter, schedule_delay_millis=500, max_queue_size=8192)

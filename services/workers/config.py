@@ -48,6 +48,7 @@ class WorkerConfig:
     side_channel_host: str = "127.0.0.1"
     advertise_host: str | None = None
     log_level: str = "INFO"
+    trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
 
     def engine_config(self) -> EngineConfig:
         extra: dict[str, Any] = {
@@ -121,6 +122,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("side_channel_host", "KVPUSH_SIDE_CHANNEL_HOST", str),
     ("advertise_host", "KVPUSH_ADVERTISE_HOST", str),
     ("log_level", "KVPUSH_LOG_LEVEL", str),
+    ("trace_file", "KVPUSH_TRACE_FILE", str),
 )
 
 
@@ -216,6 +218,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address peers reach the side channel at (default: the bound one)",
     )
     add("--log-level", dest="log_level", metavar="LEVEL", help="DEBUG, INFO, WARNING (INFO)")
+    add(
+        "--trace-file",
+        dest="trace_file",
+        metavar="PATH",
+        help="append finished spans to PATH as JSON lines (read them with `kvpush ttft`); "
+        "OTEL_EXPORTER_OTLP_ENDPOINT etc. send them to a collector instead or as well",
+    )
 
 
 def config_from_args(

@@ -23,19 +23,22 @@ import argparse
 import logging
 from collections import OrderedDict
 
+from kvpush.connector.vllm import timing
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
     FinishReason,
     RequestEvent,
+    Timing,
     TokenChunk,
     TransferMode,
     Usage,
     WorkerHeartbeat,
     WorkerRole,
 )
+from kvpush.services.telemetry.breakdown import merge
 from kvpush.services.workers.config import WorkerConfig
-from kvpush.services.workers.engine import EngineOutput
+from kvpush.services.workers.engine import EngineOutput, RequestHandle
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,22 @@ def _finish_reason(value: str) -> FinishReason:
         return FinishReason(value)
     except ValueError:
         return FinishReason.ERROR
+
+
+def _trace(entry: InFlight, handle: RequestHandle) -> Timing:
+    """D's critical-path instants (with what the connector learned from P), and D's spans
+    ``decode.receive`` (event to engine) and ``decode.first_token`` (KV here, or the request
+    in the engine for mode local, to the first token)."""
+    tid = entry.event.transfer_id
+    submitted_ns = timing.monotonic_to_ns(handle.submitted_at)
+    first_ns = timing.monotonic_to_ns(handle.first_output_at) if handle.first_output_at else 0
+    marks = merge(timing.take(tid), Timing(decode_received=entry.received_ns, first_token=first_ns))
+    if timing.enabled():
+        attrs = {"kvpush.transfer_id": tid, "kvpush.mode": entry.event.mode.value}
+        timing.emit("decode.receive", None, entry.received_ns, submitted_ns, attrs)
+        start = marks.kv_landed if marks.kv_landed >= submitted_ns else submitted_ns
+        timing.emit("decode.first_token", None, start, first_ns, attrs)
+    return marks
 
 
 def _abort_error(entry: InFlight) -> str:
@@ -85,7 +104,7 @@ class DecodeWorker(Worker):
         rid, tid = event.request_id, event.transfer_id
         local = event.mode is TransferMode.LOCAL
         address = self.prefill_addresses.get(event.prefill_id)
-        params = None if local else self.kv_params(event, address)
+        params = None if local else self.kv_params(entry, address)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:
             await self._send(event, 0, [], "", FinishReason.ABORT, 0, _abort_error(entry))
@@ -115,7 +134,8 @@ class DecodeWorker(Worker):
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
             ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
-            await self._send(event, seq, ids, text, reason, count, error)
+            marks = _trace(entry, handle)
+            await self._send(event, seq, ids, text, reason, count, error, marks)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at
             log.info(
@@ -141,6 +161,7 @@ class DecodeWorker(Worker):
         finish: FinishReason | None = None,
         completion_tokens: int = 0,
         error: str | None = None,
+        marks: Timing | None = None,
     ) -> None:
         usage = None
         if finish is not None:
@@ -156,6 +177,7 @@ class DecodeWorker(Worker):
             finish_reason=finish,
             usage=usage,
             error=error[:MAX_ERROR] if error else None,
+            timing=marks,
         )
         await self.bus.publish(event.reply_subject, chunk, span=False)
 

@@ -46,7 +46,7 @@ class PrefillWorker(Worker):
     async def serve(self, entry: InFlight) -> None:
         event = entry.event
         rid, tid = event.request_id, event.transfer_id
-        handle = self.submit(entry, PREFILL_SAMPLING, self.kv_params(event))
+        handle = self.submit(entry, PREFILL_SAMPLING, self.kv_params(entry))
         if handle is None:
             log.info("rid=%s tid=%s aborted before prefill", rid, tid)
             return

@@ -46,6 +46,7 @@ from kvpush.schemas.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
+from kvpush.services import telemetry
 from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.engine import EngineHost, RequestHandle
@@ -66,6 +67,7 @@ class InFlight:
     """One request this worker accepted; ``handle`` is set once it went to the engine."""
 
     event: RequestEvent
+    received_ns: int = 0  # unix ns the RequestEvent arrived
     handle: RequestHandle | None = None
     task: asyncio.Task[None] | None = None
     aborted: str | None = None  # why it was aborted ("deadline", or the Abort's reason)
@@ -240,7 +242,7 @@ class Worker:
             log.warning("overloaded: refusing rid=%s tid=%s", event.request_id, tid)
             await self.refuse(event, FailReason.OVERLOADED, "overloaded")
             return
-        entry = InFlight(event)
+        entry = InFlight(event, time.time_ns())
         self._inflight[tid] = entry
         if event.deadline_ms:  # a backstop: the gateway answers and aborts at the deadline
             delay = -late_ms / 1000.0 + DEADLINE_GRACE_S
@@ -277,12 +279,13 @@ class Worker:
         )
         return entry.handle
 
-    def kv_params(self, event: RequestEvent, prefill_address: str | None = None) -> dict[str, Any]:
-        """The connector's ``kv_transfer_params`` for ``event`` (trace context included)."""
+    def kv_params(self, entry: InFlight, prefill_address: str | None = None) -> dict[str, Any]:
+        """The connector's ``kv_transfer_params`` for ``entry`` (trace context included)."""
         from kvpush.connector.vllm.metadata import TransferParams  # vllm: imported by now
 
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
+        event = entry.event
         return TransferParams(
             transfer_id=event.transfer_id,
             prefill_id=event.prefill_id,
@@ -291,6 +294,7 @@ class Worker:
             deadline_ms=event.deadline_ms,
             traceparent=carrier.get("traceparent"),
             prefill_address=prefill_address,
+            received_ns=entry.received_ns,
         ).to_params()
 
     # ---- aborts -----------------------------------------------------------------------------
@@ -369,4 +373,5 @@ def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {config.worker_id} %(name)s: %(message)s",
     )
+    telemetry.configure(f"kvpush-{worker_cls.role.value}", config.trace_file)
     return asyncio.run(worker_cls(config).run())

@@ -2,7 +2,8 @@
 
 ``up_stack`` (session) runs ``kvpush up`` as a user would, in its own session: it starts its
 own nats-server, reuses (or builds) the cached tiny model, one prefill worker (core 0), one
-decode worker (core 1) and the gateway on a free port. Tests talk to it over HTTP with the
+decode worker (core 1) and the gateway on a free port, every service tracing into one
+``--trace-file``. Tests talk to it over HTTP with the
 official ``openai`` client, watch the workers' heartbeats over its NATS (``observer``), and
 start extra gateways in process (``start_gateway``) on the same NATS or on an empty one.
 """
@@ -69,6 +70,11 @@ class UpStack:
     model_dir: str
     log_dir: Path
 
+    @property
+    def trace_file(self) -> Path:
+        """Every service's spans (``kvpush up --trace-file``)."""
+        return self.log_dir / "trace.jsonl"
+
     def output(self) -> str:
         return "".join(
             (self.log_dir / name).read_text(errors="replace") for name in ("up.err", "up.out")
@@ -99,7 +105,7 @@ def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
     with open(log_dir / "up.out", "wb") as out, open(log_dir / "up.err", "wb") as err:
         proc = subprocess.Popen(
-            [*argv, "--log-dir", str(log_dir)],
+            [*argv, "--log-dir", str(log_dir), "--trace-file", str(log_dir / "trace.jsonl")],
             stdout=out,
             stderr=err,
             stdin=subprocess.DEVNULL,
