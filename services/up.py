@@ -296,7 +296,13 @@ class Stack:
             f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode}). Try:\n"
             f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{body}'\n"
-            "Ctrl-C stops everything."
+            f"TTFT waterfalls of recent requests: {base}/dashboard   metrics: {base}/metrics\n"
+            + (
+                f"Spans go to {cfg.trace_file}: `kvpush ttft {cfg.trace_file} --png w.png`\n"
+                if cfg.trace_file
+                else ""
+            )
+            + "Ctrl-C stops everything."
         )
 
     async def watch(self, stop: asyncio.Event) -> int:
