@@ -99,6 +99,19 @@ def _cmd_nats(args: argparse.Namespace) -> int:
     return 0
 
 
+_BENCH_SERVE_EPILOG = """\
+Examples:
+  kvpush bench serve --quick                      smoke run of all five systems (~10 min)
+  kvpush bench serve --out-dir docs/benchmarks/serve
+  kvpush bench serve --systems kvpush-push,vllm-pull --input-lens 2048 --qps 0.5,1,1.2"""
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvpush.services.bench.serve import run
+
+    return run.main(args)
+
+
 def _cmd_bench_transport(args: argparse.Namespace) -> int:
     from kvpush.services.bench import transport
 
@@ -211,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     bench_sub.choices["transport"].set_defaults(func=_cmd_bench_transport)
+    from kvpush.services.bench import serve as bench_serve
+
+    bench_serve.add_arguments(
+        bench_sub.add_parser(
+            "serve",
+            help="kvpush push/pull vs vLLM's NixlConnector/NixlPushConnector vs one engine, "
+            "over HTTP, QPS sweep",
+            description=bench_serve.__doc__ + "\n\n" + _BENCH_SERVE_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    bench_sub.choices["serve"].set_defaults(func=_cmd_bench_serve)
 
     from kvpush.services import up
     from kvpush.services.workers import config as worker_config

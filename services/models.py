@@ -219,6 +219,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def prose_lines(seed: int, sentences: int) -> Iterator[str]:
+    """The made-up prose the tokenizers are trained on (benchmark prompts use it too)."""
+    return _corpus(seed, sentences)
+
+
 def _corpus(seed: int, sentences: int) -> Iterator[str]:
     """Deterministic made-up prose: words from syllables, numbers, names, punctuation."""
     rng = random.Random(seed)

@@ -1,0 +1,178 @@
+"""The systems ``kvpush bench serve`` compares, behind one interface: start, serve, stop.
+
+A ``System`` starts its processes on the machine (same model folder, same cores: prefill on
+``ctx.prefill_core``, decode on ``ctx.decode_core``, an aggregated engine on the prefill core)
+and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/completions`` with
+``stream: true`` and token-id prompts). The load generator only ever talks to that URL.
+
+- ``KvpushSystem``: ``kvpush up`` in push or pull mode (embedded nats-server, gateway, one P,
+  one D, every prompt moved: ``--local-threshold 0``), optionally with ``--trace-file`` so the
+  run also yields kvpush's TTFT breakdown.
+- vLLM's own peers (``vllm_systems.py``): ``vllm-pull`` (NixlConnector + a sequential proxy),
+  ``vllm-push`` (NixlPushConnector, both legs at once) and ``aggregated`` (one vLLM server).
+
+Threading model: asyncio; every system runs its processes as children in their own process
+group, killed on ``stop`` (and by PR_SET_PDEATHSIG if the bench itself dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+
+@dataclass
+class BenchContext:
+    """What every system shares in one bench run."""
+
+    model_dir: Path
+    served_name: str
+    log_dir: Path
+    prefill_core: int = 0
+    decode_core: int = 1
+    start_timeout_s: float = 600.0
+    trace_dir: Path | None = None  # kvpush systems write <name>.jsonl here
+    say: object = field(default=print)  # progress lines (callable)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class StartError(RuntimeError):
+    """A system did not come up; the message ends with the tail of its logs."""
+
+
+class Process:
+    """One child process in its own process group, stdout+stderr into ``log``."""
+
+    def __init__(
+        self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name, self.argv, self.log = name, argv, log
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Process:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        return self
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def wait_http_ok(url: str, processes: list[Process], timeout_s: float) -> None:
+    """Until ``GET url`` answers 200; StartError when a process exits or time runs out."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            for p in processes:
+                if p.exited is not None:
+                    raise StartError(f"{p.name} exited ({p.exited}); {p.log}:\n{p.tail()}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {p.log}\n{p.tail()}" for p in processes)
+                raise StartError(f"{url} not ready in {timeout_s:.0f} s\n{tails}")
+            await asyncio.sleep(0.5)
+
+
+class System:
+    """One system under test; subclasses set ``name`` and implement ``start``."""
+
+    name: ClassVar[str]
+    disaggregated: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.processes: list[Process] = []
+        self.trace_file: Path | None = None  # kvpush systems: spans of this run
+
+    async def start(self, ctx: BenchContext) -> str:
+        """Start and return the base URL (``http://127.0.0.1:PORT``) once it serves."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        for process in reversed(self.processes):
+            await asyncio.to_thread(process.stop)
+        self.processes.clear()
+
+
+class KvpushSystem(System):
+    mode: ClassVar[str]
+
+    async def start(self, ctx: BenchContext) -> str:
+        port = free_port()
+        argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
+        argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
+        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
+        if ctx.trace_dir is not None:
+            self.trace_file = ctx.trace_dir / f"{self.name}.jsonl"
+            self.trace_file.unlink(missing_ok=True)
+            argv += ["--trace-file", str(self.trace_file)]
+        process = Process(self.name, argv, ctx.log_dir / f"{self.name}.log").start()
+        self.processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        await wait_http_ok(f"{url}/ready", self.processes, ctx.start_timeout_s)
+        return url
+
+
+class KvpushPush(KvpushSystem):
+    name = "kvpush-push"
+    mode = "push"
+
+
+class KvpushPull(KvpushSystem):
+    name = "kvpush-pull"
+    mode = "pull"
