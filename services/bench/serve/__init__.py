@@ -56,3 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
     add("--log-dir", default=None, help="systems' logs (default OUT_DIR/logs)")
     add("--json", metavar="OUT", help="also write the JSON document here")
+    add(
+        "--trace",
+        action="store_true",
+        help="kvpush systems also write spans (OUT_DIR/traces/<system>.jsonl): for "
+        "`kvpush ttft`, and to measure what tracing costs (compare with a run without)",
+    )

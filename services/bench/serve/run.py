@@ -211,6 +211,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
         "nixl": version("nixl"),
         "output_len": args.output_len,
         "quick": bool(args.quick),
+        "traced": bool(args.trace),
         "argv": sys.argv[1:],
     }
 
@@ -226,6 +227,9 @@ async def run(args: argparse.Namespace) -> int:
     )
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     ctx = BenchContext(model_dir, served, log_dir, say=_say)
+    if args.trace:
+        ctx.trace_dir = out_dir / "traces"
+        ctx.trace_dir.mkdir(parents=True, exist_ok=True)
     document: dict[str, Any] = {"meta": _meta(args, ctx), "points": [], "systems": {}}
     rates_by_len: dict[int, list[float]] = {}
     for name in systems:
