@@ -7,7 +7,12 @@ Protocol (one request, one reply, ROUTER <-> REQ):
   ``Hello(compat, agent_name)`` -> ``PeerInfo(compat, compat_hash, epoch, agent_name,
   agent_metadata, pool)`` or ``Refused(code, detail, compat)``.
 The server refuses a peer whose compat hash differs (and says why); the client checks again on
-its side, so both ends log a clear error. ``agent_metadata`` is NIXL's own serialised agent
+its side, so both ends log a clear error. With a shared token (``KVPUSH_SIDE_CHANNEL_TOKEN`` on
+every worker) the server also refuses a Hello without a valid proof: HMAC-SHA256 over a fresh
+nonce, the send time and the peer's compat hash (the token itself never crosses the wire; a
+replayed Hello is refused: nonces are remembered, and the send time must be within
+``MAX_SKEW_MS``). The agent metadata is what lets a peer WRITE into registered memory, so only
+peers that know the token get it. ``agent_metadata`` is NIXL's own serialised agent
 metadata (an opaque byte string); ``pool`` is plain integers; descriptors are built locally.
 
 Threading model:
@@ -22,8 +27,13 @@ Threading model:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import secrets
 import threading
+import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -34,11 +44,34 @@ from kvpush.connector.layout import CompatInfo, PoolLayout, compat_diff, compat_
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
+MAX_SKEW_MS = 120_000  # a Hello's send time may differ this much from the server's clock
+NONCE_MEMORY = 8192
+
+
+def hello_mac(token: str, nonce: bytes, sent_ms: int, agent_name: str, compat: CompatInfo) -> bytes:
+    message = b"kvpush-sc-v1|%s|%d|%s|%s" % (
+        nonce,
+        sent_ms,
+        agent_name.encode(),
+        compat_hash(compat).encode(),
+    )
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def make_hello(compat: CompatInfo, agent_name: str, token: str | None) -> Hello:
+    if not token:
+        return Hello(compat=compat, agent_name=agent_name)
+    nonce, sent_ms = secrets.token_bytes(16), int(time.time() * 1000)
+    mac = hello_mac(token, nonce, sent_ms, agent_name, compat)
+    return Hello(compat=compat, agent_name=agent_name, nonce=nonce, sent_ms=sent_ms, mac=mac)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="kvpush.sc.Hello"):
     compat: CompatInfo
     agent_name: str
+    nonce: bytes = b""  # with a shared token: 16 random bytes, sent_ms and their HMAC
+    sent_ms: int = 0
+    mac: bytes = b""
 
 
 class PeerInfo(msgspec.Struct, frozen=True, tag="kvpush.sc.PeerInfo"):
@@ -51,7 +84,7 @@ class PeerInfo(msgspec.Struct, frozen=True, tag="kvpush.sc.PeerInfo"):
 
 
 class Refused(msgspec.Struct, frozen=True, tag="kvpush.sc.Refused"):
-    code: str  # "incompatible" | "bad_request"
+    code: str  # "incompatible" | "bad_request" | "unauthorized"
     detail: str
     compat: CompatInfo | None = None
 
@@ -84,8 +117,12 @@ class IncompatiblePeerError(TransportError):
 class SideChannelServer:
     """Serves this agent's ``PeerInfo`` on ``tcp://host:port`` (port 0: an ephemeral port)."""
 
-    def __init__(self, info: PeerInfo, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, info: PeerInfo, host: str = "127.0.0.1", port: int = 0, token: str | None = None
+    ) -> None:
         self._info = info
+        self._token = token or None
+        self._nonces: OrderedDict[bytes, None] = OrderedDict()
         self._reply = _encoder.encode(info)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -136,6 +173,9 @@ class SideChannelServer:
             return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
         except msgspec.DecodeError as exc:
             return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
+        if self._token is not None and not self._authentic(hello):
+            log.warning("refusing peer %s: no valid token proof", hello.agent_name[:100])
+            return _encoder.encode(Refused(code="unauthorized", detail="no valid token proof"))
         mine = self._info.compat
         if compat_hash(hello.compat) != self._info.compat_hash:
             diff = compat_diff(mine, hello.compat)
@@ -144,6 +184,18 @@ class SideChannelServer:
                 Refused(code="incompatible", detail="; ".join(diff), compat=mine)
             )
         return self._reply
+
+    def _authentic(self, hello: Hello) -> bool:
+        assert self._token is not None
+        if len(hello.nonce) != 16 or abs(time.time() * 1000 - hello.sent_ms) > MAX_SKEW_MS:
+            return False
+        want = hello_mac(self._token, hello.nonce, hello.sent_ms, hello.agent_name, hello.compat)
+        if not hmac.compare_digest(want, hello.mac) or hello.nonce in self._nonces:
+            return False
+        self._nonces[hello.nonce] = None
+        while len(self._nonces) > NONCE_MEMORY:
+            self._nonces.popitem(last=False)
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -156,6 +208,7 @@ def fetch_peer(
     agent_name: str,
     timeout_s: float,
     ctx: zmq.Context | None = None,
+    token: str | None = None,
 ) -> PeerInfo:
     """Ask ``address`` for its ``PeerInfo``; raise ``HandshakeError``/``IncompatiblePeerError``."""
     ctx = ctx or zmq.Context.instance()
@@ -166,7 +219,7 @@ def fetch_peer(
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     try:
         sock.connect(address)
-        sock.send(_encoder.encode(Hello(compat=compat, agent_name=agent_name)))
+        sock.send(_encoder.encode(make_hello(compat, agent_name, token)))
         payload = sock.recv()
     except zmq.Again as exc:
         raise HandshakeError(f"peer {address} did not answer within {timeout_s:.1f}s") from exc
@@ -196,9 +249,15 @@ class PeerCache:
     """
 
     def __init__(
-        self, compat: CompatInfo, agent_name: str, timeout_s: float, max_workers: int = 2
+        self,
+        compat: CompatInfo,
+        agent_name: str,
+        timeout_s: float,
+        max_workers: int = 2,
+        token: str | None = None,
     ) -> None:
         self.compat = compat
+        self.token = token
         self.agent_name = agent_name
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
@@ -216,7 +275,13 @@ class PeerCache:
         future = self._pending.get(address)
         if future is None:
             future = self._pool.submit(
-                fetch_peer, address, self.compat, self.agent_name, self.timeout_s, self._ctx
+                fetch_peer,
+                address,
+                self.compat,
+                self.agent_name,
+                self.timeout_s,
+                self._ctx,
+                self.token,
             )
             self._pending[address] = future
         return future

@@ -70,6 +70,10 @@ class TransportConfig(msgspec.Struct, frozen=True):
     max_transfers: int = 4096  # bound of the transfer table; start/expect raise beyond it
     max_early_notices: int = 4096  # notices for transfers not yet expected; oldest dropped
     telemetry: bool = False
+    token: str | None = None  # shared side-channel secret (see sidechannel.py); never logged
+
+    def __repr__(self) -> str:  # keep the token out of logs and tracebacks
+        return f"TransportConfig(worker_id={self.worker_id!r}, host={self.host!r}, ...)"
 
 
 class KvTransport:
@@ -117,6 +121,7 @@ class KvTransport:
                 ),
                 config.host,
                 config.port,
+                config.token,
             )
             try:
                 self.address = self._server.address(config.advertise_host)
@@ -126,7 +131,9 @@ class KvTransport:
         except Exception:
             self._agent.close()
             raise
-        self._peers = PeerCache(config.compat, self.agent_name, config.handshake_timeout_s)
+        self._peers = PeerCache(
+            config.compat, self.agent_name, config.handshake_timeout_s, token=config.token
+        )
         self.on_change: Callable[[], None] | None = None  # set by a Poller: wake it up
 
     # ---- peers ------------------------------------------------------------------------------

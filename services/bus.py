@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -62,6 +64,22 @@ class BusConfig:
     pending_msgs_limit: int = 8192
     pending_bytes_limit: int = 64 * 1024 * 1024
 
+    @classmethod
+    def from_env(
+        cls, url: str, name: str, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> BusConfig:
+        """``url`` and ``name`` plus the credentials every kvpush process reads from the
+        environment (secrets stay out of argv and ``ps``): ``KVPUSH_NATS_USER`` /
+        ``KVPUSH_NATS_PASSWORD``, ``KVPUSH_NATS_TOKEN``, ``KVPUSH_NATS_CREDS`` (a .creds file),
+        ``KVPUSH_NATS_TLS_CA`` / ``KVPUSH_NATS_TLS_CERT`` / ``KVPUSH_NATS_TLS_KEY``. A URL may
+        also carry ``user:password@`` or ``token@`` itself."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {"url": url, "name": name}
+        for field_name, variable in ENV_CREDENTIALS.items():
+            if env.get(variable):
+                values[field_name] = env[variable]
+        return cls(**{**values, **overrides})
+
     def tls_context(self) -> ssl.SSLContext | None:
         if not (self.tls_ca_file or self.tls_cert_file):
             return None
@@ -69,6 +87,17 @@ class BusConfig:
         if self.tls_cert_file:
             context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
         return context
+
+
+ENV_CREDENTIALS = {
+    "user": "KVPUSH_NATS_USER",
+    "password": "KVPUSH_NATS_PASSWORD",
+    "token": "KVPUSH_NATS_TOKEN",
+    "creds_file": "KVPUSH_NATS_CREDS",
+    "tls_ca_file": "KVPUSH_NATS_TLS_CA",
+    "tls_cert_file": "KVPUSH_NATS_TLS_CERT",
+    "tls_key_file": "KVPUSH_NATS_TLS_KEY",
+}
 
 
 class BusConnectError(ConnectionError):

@@ -234,7 +234,7 @@ class Stack:
                 if not waiting:
                     ready.set()
 
-        bus = await Bus.connect(BusConfig(url=self.nats_url, name="kvpush-up"))
+        bus = await Bus.connect(BusConfig.from_env(self.nats_url, "kvpush-up"))
         try:
             await bus.subscribe(subjects.heartbeats(), on_heartbeat)
             await bus.flush()

@@ -248,7 +248,8 @@ class DecodeSide:
     def _probe(self, inc: Incoming, address: str) -> None:
         """P never acknowledged: if its side channel is gone, P is dead and nothing can land."""
         try:
-            fetch_peer(address, self.transport.config.compat, "kvpush-probe", 1.0)
+            config = self.transport.config
+            fetch_peer(address, config.compat, "kvpush-probe", 1.0, token=config.token)
             alive = True
         except TransportError:
             alive = False

@@ -14,6 +14,7 @@ transport events (and sets ``runtime.activity``); the bus thread calls the sides
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from typing import Any
 
@@ -29,6 +30,7 @@ from kvpush.schemas.messages import WorkerRole
 from kvpush.services.bus import BusConfig
 
 log = logging.getLogger(__name__)
+SIDE_CHANNEL_TOKEN_ENV = "KVPUSH_SIDE_CHANNEL_TOKEN"  # shared secret of every P and D
 LAYOUT = "vllm-paged-LBHNC"  # one [blocks, kv_heads, block_size, 2*head_dim] tensor per layer
 
 
@@ -63,11 +65,12 @@ class WorkerHalf:
                 port=s.side_channel_port,
                 advertise_host=s.advertise_host,
                 backend_params={"ucx_error_handling_mode": s.ucx_error_handling_mode},
+                token=os.environ.get(SIDE_CHANNEL_TOKEN_ENV) or None,
             ),
             layout,
         )
         self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=runtime.notify)
-        self.bus = runtime.BusThread.get(BusConfig(url=s.nats_url, name=f"kvpush-{s.worker_id}"))
+        self.bus = runtime.BusThread.get(BusConfig.from_env(s.nats_url, f"kvpush-{s.worker_id}"))
         if s.role is WorkerRole.PREFILL:
             self.prefill = PrefillSide(s, self.transport, self.bus, len(names), self.block_size)
         else:

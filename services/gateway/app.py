@@ -101,7 +101,7 @@ class GatewayConfig:
             raise ConfigError(str(exc)) from None
 
     def bus_config(self) -> BusConfig:
-        return BusConfig(url=self.nats_url, name=f"kvpush-gateway-{self.gateway_id}")
+        return BusConfig.from_env(self.nats_url, f"kvpush-gateway-{self.gateway_id}")
 
 
 def _keys(raw: str | list[str]) -> tuple[str, ...]:

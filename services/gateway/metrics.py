@@ -133,6 +133,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.kv_outcomes = Counter(
+            "kvpush_gateway_kv_outcomes",
+            "push/pull requests by what decode did: received (the KV came from prefill) or "
+            "fallback (decode computed the prompt itself)",
+            ["mode", "outcome"],
+            registry=r,
+        )
         self.e2e = Histogram(
             "kvpush_gateway_request_duration_seconds",
             "request arrival to the last token chunk, by transfer mode",

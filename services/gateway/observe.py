@@ -77,6 +77,10 @@ class Observer:
 
     def finished(self, request: FinishedRequest) -> None:
         self.counts["ok" if request.status == "ok" else "failed"] += 1
+        if request.status == "ok" and request.mode != "local":
+            landed = request.worker_timing is not None and request.worker_timing.kv_landed > 0
+            outcome = "received" if landed else "fallback"
+            self.metrics.kv_outcomes.labels(request.mode, outcome).inc()
         own = Timing(
             arrived=request.arrived_ns,
             published=request.published_ns,

@@ -124,7 +124,7 @@ class Worker:
     async def setup(self) -> None:
         cfg = self.config
         started = time.monotonic()
-        self._bus = await Bus.connect(BusConfig(url=cfg.nats_url, name=cfg.worker_id))
+        self._bus = await Bus.connect(BusConfig.from_env(cfg.nats_url, cfg.worker_id))
         log.info(
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
