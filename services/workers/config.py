@@ -46,7 +46,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
     transfer_timeout_s: float = 30.0  # a transfer without a deadline gets this long
     side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: any free port (it is advertised in heartbeats)
     advertise_host: str | None = None
+    fault_layer_delay_ms: float = 0.0  # fault injection (tests, soak): a slow prefill
     log_level: str = "INFO"
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
 
@@ -57,8 +59,11 @@ class WorkerConfig:
             "nats_url": self.nats_url,
             "model_id": self.model_name,
             "side_channel_host": self.side_channel_host,
+            "side_channel_port": self.side_channel_port,
             "transfer_timeout_s": self.transfer_timeout_s,
         }
+        if self.fault_layer_delay_ms:
+            extra["fault_layer_delay_ms"] = self.fault_layer_delay_ms
         if self.advertise_host:
             extra["advertise_host"] = self.advertise_host
         prefill = self.role is WorkerRole.PREFILL
@@ -120,6 +125,8 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("drain_timeout_s", "KVPUSH_DRAIN_TIMEOUT_S", float),
     ("transfer_timeout_s", "KVPUSH_TRANSFER_TIMEOUT_S", float),
     ("side_channel_host", "KVPUSH_SIDE_CHANNEL_HOST", str),
+    ("side_channel_port", "KVPUSH_SIDE_CHANNEL_PORT", int),
+    ("fault_layer_delay_ms", "KVPUSH_FAULT_LAYER_DELAY_MS", float),  # no flag: tests only
     ("advertise_host", "KVPUSH_ADVERTISE_HOST", str),
     ("log_level", "KVPUSH_LOG_LEVEL", str),
     ("trace_file", "KVPUSH_TRACE_FILE", str),
@@ -210,6 +217,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="side_channel_host",
         metavar="HOST",
         help="address the connector's side channel binds (default 127.0.0.1)",
+    )
+    add(
+        "--side-channel-port",
+        dest="side_channel_port",
+        type=int,
+        metavar="PORT",
+        help="port of the side channel (default 0: any free port; fix it for firewalls/k8s)",
     )
     add(
         "--advertise-host",
