@@ -38,11 +38,14 @@ class Registry:
         self._kv = kv  # nats.js.kv.KeyValue
 
     @classmethod
-    async def open(cls, bus: Bus, ttl_s: float) -> Registry | None:
-        """The bucket (created with ``ttl_s`` if missing), or None without JetStream."""
+    async def open(cls, bus: Bus, ttl_s: float, replicas: int = 1) -> Registry | None:
+        """The bucket (created with ``ttl_s`` and ``replicas`` if missing: 3 on a 3-server
+        NATS cluster), or None without JetStream."""
         js = bus.client.jetstream()
         try:
-            return cls(await js.create_key_value(bucket=BUCKET, ttl=ttl_s))
+            return cls(
+                await js.create_key_value(bucket=BUCKET, ttl=ttl_s, replicas=max(1, replicas))
+            )
         except Exception as exc:
             try:  # it exists with another TTL: use it as it is
                 return cls(await js.key_value(BUCKET))

@@ -131,7 +131,7 @@ class Worker:
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
         self.side_channel = runtime.info.get("side_channel", "")
         self._free_blocks = self.host.total_blocks()
-        self._registry = await Registry.open(self.bus, cfg.registry_ttl_s)
+        self._registry = await Registry.open(self.bus, cfg.registry_ttl_s, cfg.registry_replicas)
         log.info(
             "%s %s ready in %.1f s: model %s, %d blocks, side channel %s, cores %s",
             self.role.value,
