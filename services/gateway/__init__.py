@@ -3,7 +3,9 @@
 ``app`` (config, lifecycle, CLI entry points), ``model`` (tokenizer, name, context length),
 ``handlers`` (endpoints, auth, errors), ``flow`` (one request's life), ``openai_api``
 (parsing, validation, response shapes), ``routing`` (worker registry, P/D and mode choice),
-``streaming`` (token chunks back from decode workers), ``metrics`` (Prometheus).
+``streaming`` (token chunks back from decode workers), ``metrics`` (Prometheus),
+``observe`` (TTFT breakdowns and KV transfers learned after the fact), ``dashboard``
+(``/dashboard``), ``openapi_doc`` (``/openapi.json``).
 
 Threading model: one asyncio loop per gateway; tokenization on one dedicated thread.
 """

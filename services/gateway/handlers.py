@@ -1,7 +1,8 @@
 """HTTP handlers and per-gateway request state: auth, OpenAI error bodies, endpoints.
 
 ``GatewayApi`` owns the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``), one
+``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``,
+``/openapi.json`` from ``openapi_doc``), one
 middleware (Bearer API keys on ``/v1/*``; every error, including aiohttp's own 404/405/413,
 answered as OpenAI error JSON; any unexpected exception logged and answered as a bare 500,
 never a stack trace; request counts), the in-flight bound (429) and draining flag (503),
@@ -30,7 +31,7 @@ from opentelemetry.trace import SpanKind
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
 from kvpush.services.bus import Bus
-from kvpush.services.gateway import dashboard
+from kvpush.services.gateway import dashboard, openapi_doc
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.flow import RequestFlow, json_response
@@ -80,6 +81,7 @@ class GatewayApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/openapi.json", openapi_doc.handler(self.model, self.config))
         dashboard.add_routes(app, self.recent, self.dashboard_counters)
         app.middlewares.append(self.middleware)
 

@@ -111,7 +111,9 @@ def _float(
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(f"'{name}' must be a number", name)
+    if isinstance(value, float) and not math.isfinite(value):  # ints: any size, no float()
         raise _bad(f"'{name}' must be a number", name)
     if value > hi or value < lo or (open_lo and value == lo):
         low = f"> {lo}" if open_lo else f">= {lo}"
@@ -241,8 +243,9 @@ def parse_request(endpoint: Endpoint, body: bytes) -> ParsedRequest:
     if endpoint is Endpoint.CHAT:
         messages = _messages(data.get("messages"))
         max_tokens = _int(data, "max_completion_tokens", 1, MAX_OUTPUT_TOKENS)
+        legacy = _int(data, "max_tokens", 1, MAX_OUTPUT_TOKENS)  # checked even when unused
         if max_tokens is None:
-            max_tokens = _int(data, "max_tokens", 1, MAX_OUTPUT_TOKENS)
+            max_tokens = legacy
     else:
         if "prompt" not in data:
             raise _bad("'prompt' is required", "prompt")
