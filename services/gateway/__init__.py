@@ -5,7 +5,8 @@
 (parsing, validation, response shapes), ``routing`` (worker registry, P/D and mode choice),
 ``streaming`` (token chunks back from decode workers), ``metrics`` (Prometheus),
 ``observe`` (TTFT breakdowns and KV transfers learned after the fact), ``dashboard``
-(``/dashboard``), ``openapi_doc`` (``/openapi.json``).
+(``/dashboard``), ``openapi_doc`` (``/openapi.json``), ``openapi_schemas`` (its component
+schemas).
 
 Threading model: one asyncio loop per gateway; tokenization on one dedicated thread.
 """
