@@ -212,7 +212,8 @@ def _free_port() -> int:
 
 
 async def _complete(url: str, prompt: str, mode: str) -> str:
-    body = {"model": "kvpush-tiny", "prompt": prompt, "max_tokens": 10, "kvpush_mode": mode}
+    body = {"model": "kvpush-tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0.0}
+    body["kvpush_mode"] = mode
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{url}/v1/completions", json=body) as resp,
