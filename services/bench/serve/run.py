@@ -161,8 +161,10 @@ async def _run_system(
             )
         for dataset in datasets:
             for point in _points(args, dataset, input_len, rates_by_len[input_len], conc):
+                seed = 1000 + len(rows)  # fresh prompts per point (no prefix cache across
+                # points), the same per point for every system
                 prompts = loadgen.make_prompts(
-                    dataset, input_len, point.requests, 0, ctx.model_dir, vocab
+                    dataset, input_len, point.requests, seed, ctx.model_dir, vocab
                 )
                 desc = f"{system.name:<11} {dataset} {input_len:>5} {point.label:<9}"
                 with tqdm(total=point.requests, desc=desc, unit="req", leave=True) as bar:
