@@ -348,15 +348,19 @@ class KvTransport:
             return len(self._engine.transfers)
 
     def poll_interval(self, busy_s: float, target_s: float, idle_s: float) -> float:
-        """How soon progress is needed: ``busy_s`` while NIXL requests are live or a handshake
-        is pending, ``target_s`` while a notice is expected, ``idle_s`` otherwise (e.g. a push
-        waiting for its next layer: polling then would only steal the engine's core)."""
+        """How soon progress is needed: ``busy_s`` while a transfer's end is awaited (every
+        request posted and some still live: the push tail, a pull's READ) or a handshake is
+        pending; ``target_s`` while only WRITEs of a prefill still computing are live (nobody
+        waits for them yet; polling them at ``busy_s`` took P's core from its forward: P's
+        prefill ran up to 2.5x slower under load, docs/benchmarks/serve.md) or a notice is
+        expected; ``idle_s`` otherwise."""
         with self._lock:
-            if self._agent.live_handles:
-                return busy_s
-            wait = idle_s
+            live = self._agent.live_handles > 0
+            wait = target_s if live else idle_s
             for t in self._engine.transfers.values():
                 if t.initiator and t.state is TransferState.WAITING_PEER:
+                    return busy_s
+                if t.initiator and live and t.finish_requested and not t.state.terminal:
                     return busy_s
                 if not t.initiator and not t.state.terminal:
                     wait = target_s
