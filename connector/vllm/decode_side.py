@@ -27,7 +27,7 @@ from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm import timing
 from kvpush.connector.vllm.metadata import ConnectorSettings, DecodeWork, ReceiveKind
-from kvpush.connector.vllm.runtime import BusThread, add_pending, notify
+from kvpush.connector.vllm.runtime import BusThread, add_pending, notify, take_suspects
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -66,6 +66,7 @@ class DecodeSide:
         self.lock = threading.RLock()
         self._by_tid: dict[str, Incoming] = {}
         self._early: OrderedDict[str, KvReady | KvFailed | AbortAck] = OrderedDict()
+        self._probing: set[str] = set()  # suspected peers being probed
         me = settings.worker_id
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
         bus.subscribe(subjects.kv_failed(me), self.on_bus)
@@ -245,16 +246,20 @@ class DecodeSide:
         since_ns = inc.waiting_since_ns
         timing.emit("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
 
+    def _peer_alive(self, address: str) -> bool:
+        """Does the side channel at ``address`` still answer (1 s)? Runs off the engine thread."""
+        config = self.transport.config
+        try:
+            fetch_peer(address, config.compat, "kvpush-probe", 1.0, token=config.token)
+        except TransportError:
+            return False
+        except Exception:  # anything else is not proof of death
+            return True
+        return True
+
     def _probe(self, inc: Incoming, address: str) -> None:
         """P never acknowledged: if its side channel is gone, P is dead and nothing can land."""
-        try:
-            config = self.transport.config
-            fetch_peer(address, config.compat, "kvpush-probe", 1.0, token=config.token)
-            alive = True
-        except TransportError:
-            alive = False
-        except Exception:
-            alive = True
+        alive = self._peer_alive(address)
         with self.lock:
             inc.probing = False
             if not alive:
@@ -268,11 +273,31 @@ class DecodeSide:
                 inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
         notify()
 
+    def _probe_suspects(self) -> None:
+        """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
+        for address in take_suspects():
+            if address in self._probing or not any(
+                inc.peer == address and inc.outcome is None for inc in self._by_tid.values()
+            ):
+                continue
+            self._probing.add(address)
+            threading.Thread(target=self._probe_address, args=(address,), daemon=True).start()
+
+    def _probe_address(self, address: str) -> None:
+        alive = self._peer_alive(address)
+        with self.lock:
+            self._probing.discard(address)
+            if not alive:
+                log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
+                self.transport.peer_lost(address)
+        notify()
+
     def collect(self, events: list[TransferEvent]) -> tuple[set[str], set[str]]:
         """Returns (finished_recving, failed_recving) request ids, each reported once."""
         finished: set[str] = set()
         failed: set[str] = set()
         with self.lock:
+            self._probe_suspects()
             for event in events:
                 inc = self._by_tid.get(event.transfer_id)
                 if inc is None:

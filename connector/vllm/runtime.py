@@ -10,6 +10,8 @@ signal an engine driver uses so that a decode engine waiting for KV costs nothin
 - ``pending`` counts work the connector still has to report through an engine step (a push in
   flight on P, a receive on D). A driver that sees ``pending > 0`` and an idle step waits on
   ``activity`` instead of stepping in a loop.
+- ``suspect_peer`` / ``take_suspects``: side-channel addresses the worker service believes dead
+  (a prefill worker's heartbeat lease ran out); the decode side probes them.
 
 Threading model: ``BusThread`` owns one asyncio loop on a daemon thread named
 ``kvpush-bus``; callers on other threads use ``publish`` (fire and forget, bounded by the
@@ -63,6 +65,26 @@ def last_step_idle() -> bool:
 
 def notify() -> None:
     activity.set()
+
+
+_suspects_lock = threading.Lock()
+_suspects: set[str] = set()
+
+
+def suspect_peer(address: str) -> None:
+    """A peer's side channel that may be dead (its heartbeat lease ran out, or it came back with
+    a new epoch): the decode side probes it and, if it does not answer, fails what is in flight
+    from it at once (D computes those prompts itself) instead of at the request's deadline."""
+    with _suspects_lock:
+        _suspects.add(address)
+    notify()
+
+
+def take_suspects() -> set[str]:
+    global _suspects
+    with _suspects_lock:
+        taken, _suspects = _suspects, set()
+    return taken
 
 
 SyncHandler = Callable[[str, BusMessage], None]

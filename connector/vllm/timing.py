@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 from opentelemetry.trace import StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -53,9 +54,7 @@ def monotonic_to_ns(instant: float, now: float | None = None) -> int:
 def enabled() -> bool:
     global _enabled
     if not _enabled:
-        from opentelemetry.sdk.trace import TracerProvider
-
-        _enabled = isinstance(trace.get_tracer_provider(), TracerProvider)
+        _enabled = isinstance(trace.get_tracer_provider(), SdkTracerProvider)
     return _enabled
 
 

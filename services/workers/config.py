@@ -42,6 +42,7 @@ class WorkerConfig:
     kv_cache_gib: int = 1
     heartbeat_s: float = 1.0
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
+    prefill_lease_s: float = 3.0  # decode: a prefill worker silent this long is probed
     registry_replicas: int = 1  # ... and its JetStream replicas (3 on a 3-server cluster)
     drain_grace_s: float = 0.5  # keep taking requests this long after the draining beat
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
@@ -128,6 +129,7 @@ _SETTINGS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     ("side_channel_host", "KVPUSH_SIDE_CHANNEL_HOST", str),
     ("side_channel_port", "KVPUSH_SIDE_CHANNEL_PORT", int),
     ("registry_replicas", "KVPUSH_REGISTRY_REPLICAS", int),
+    ("prefill_lease_s", "KVPUSH_PREFILL_LEASE_S", float),
     ("fault_layer_delay_ms", "KVPUSH_FAULT_LAYER_DELAY_MS", float),  # no flag: tests only
     ("advertise_host", "KVPUSH_ADVERTISE_HOST", str),
     ("log_level", "KVPUSH_LOG_LEVEL", str),

@@ -12,7 +12,10 @@ every token). A request it cannot take is answered with one error chunk at once:
 It also owns the prefill workers' side-channel addresses, learned from their heartbeats
 (``kvpush.v1.heartbeat.prefill.*``) and, at start, from the worker registry: each request
 carries its prefill worker's address so the connector can tell a dead prefill worker from a
-slow one. The map holds at most ``MAX_PREFILL_PEERS`` workers (oldest forgotten first).
+slow one. The map holds at most ``MAX_PREFILL_PEERS`` workers (oldest forgotten first). A
+prefill worker silent for ``prefill_lease_s`` (or back with a new epoch) is handed to the
+connector as a suspect: it probes the side channel and fails what that worker was sending at
+once, so this worker computes those prompts itself within seconds of a prefill crash.
 
 Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
 """
@@ -20,10 +23,12 @@ Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import time
 from collections import OrderedDict
 
-from kvpush.connector.vllm import timing
+from kvpush.connector.vllm import runtime, timing
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
@@ -80,6 +85,9 @@ class DecodeWorker(Worker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.prefill_addresses: OrderedDict[str, str] = OrderedDict()
+        # worker id -> (epoch, last heartbeat, monotonic) of each prefill worker heard from
+        self._prefill_seen: dict[str, tuple[int, float]] = {}
+        self._lease_task: asyncio.Task[None] | None = None
 
     def request_filter(self) -> str:
         return subjects.requests_for_decode(self.worker_id)
@@ -88,12 +96,39 @@ class DecodeWorker(Worker):
         for beat in await self.registry_entries(WorkerRole.PREFILL):
             self._learn(beat)
         await self.bus.subscribe(subjects.heartbeats(WorkerRole.PREFILL), self._on_heartbeat)
+        self._lease_task = asyncio.create_task(self._watch_leases(), name="prefill-leases")
+
+    async def cleanup(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        await super().cleanup()
+
+    async def _watch_leases(self) -> None:
+        """A prefill worker silent for ``prefill_lease_s`` is suspected: the connector probes
+        its side channel and, if nobody answers, fails what it was sending us at once (we then
+        compute those prompts ourselves) instead of waiting for the requests' deadlines."""
+        lease = self.config.prefill_lease_s
+        while True:
+            await asyncio.sleep(min(1.0, lease / 3))
+            now = time.monotonic()
+            for worker_id, (_, seen) in list(self._prefill_seen.items()):
+                if now - seen > lease:
+                    del self._prefill_seen[worker_id]
+                    address = self.prefill_addresses.get(worker_id)
+                    if address:
+                        log.warning("prefill %s silent for %.1f s: probing it", worker_id, lease)
+                        runtime.suspect_peer(address)
 
     async def _on_heartbeat(self, subject: str, message: object) -> None:
         if isinstance(message, WorkerHeartbeat):
             self._learn(message)
 
     def _learn(self, beat: WorkerHeartbeat) -> None:
+        previous = self.prefill_addresses.get(beat.worker_id)
+        epoch = self._prefill_seen.get(beat.worker_id, (beat.epoch, 0.0))[0]
+        if previous and (previous != beat.side_channel or epoch != beat.epoch):
+            runtime.suspect_peer(previous)  # restarted: its old incarnation sends nothing more
+        self._prefill_seen[beat.worker_id] = (beat.epoch, time.monotonic())
         self.prefill_addresses[beat.worker_id] = beat.side_channel
         self.prefill_addresses.move_to_end(beat.worker_id)
         while len(self.prefill_addresses) > MAX_PREFILL_PEERS:

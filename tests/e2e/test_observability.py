@@ -224,6 +224,7 @@ async def test_metrics_ttft_report_and_dashboard_cover_the_requests_made(
     assert delta("kvpush_kv_transfers_total", outcome="done") == n
     assert delta("kvpush_kv_transfer_seconds_count", mode="push") == n
     assert delta("kvpush_kv_transfer_bytes_total", mode="push") > 0
+    assert delta("kvpush_gateway_kv_outcomes_total", mode="push", outcome="received") == n
     for worker, role in ((PREFILL_ID, "prefill"), (DECODE_ID, "decode")):
         total = metric(after, "kvpush_worker_total_blocks", worker=worker, role=role)
         free = metric(after, "kvpush_worker_free_blocks", worker=worker, role=role)

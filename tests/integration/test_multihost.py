@@ -33,6 +33,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.integration.http_client import completion_text, metric
 from tests.integration.worker_proc import Observer
 
 pytestmark = pytest.mark.engine
@@ -191,31 +192,6 @@ async def stack(
             child.stop()
 
 
-async def complete(url: str, prompt: str, mode: str) -> str:
-    body = {
-        "model": "kvpush-tiny",
-        "prompt": prompt,
-        "max_tokens": 12,
-        "temperature": 0.0,
-        "kvpush_mode": mode,
-    }
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{url}/v1/completions", json=body) as resp,
-    ):
-        answer = await resp.json()
-        assert resp.status == 200, answer
-    return answer["choices"][0]["text"]
-
-
-async def metric(url: str, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    match = re.search(rf"^{name}{{{wanted}}} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 async def test_workers_sit_on_their_own_hosts(stack: Stack) -> None:
     observer = await Observer.connect(stack.nats_url, "gw-mh-observer")
     try:
@@ -237,11 +213,11 @@ async def test_a_request_is_served_token_exact_across_namespaces(stack: Stack, m
     received = ("kvpush_gateway_kv_outcomes_total", {"mode": mode, "outcome": "received"})
     before = await metric(stack.url, received[0], **received[1])
     bytes_before = await metric(stack.url, "kvpush_kv_transfer_bytes_total", mode="push")
-    got = await complete(stack.url, prompt, mode)
+    got = await completion_text(stack.url, prompt, mode, 12)
     # D got the KV from P (no fallback to computing the prompt itself) ...
     assert await metric(stack.url, received[0], **received[1]) == before + 1
     if mode == "push":  # ... and P reports the bytes it WROTE into D's blocks (KvPushed)
         await asyncio.sleep(0.2)
         assert await metric(stack.url, "kvpush_kv_transfer_bytes_total", mode="push") > bytes_before
-    reference = await complete(stack.url, prompt, "local")
+    reference = await completion_text(stack.url, prompt, "local", 12)
     assert got == reference != ""

@@ -31,6 +31,7 @@ import pytest
 from kvpush.schemas import subjects
 from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.natsd import EmbeddedNats
+from tests.integration.http_client import completion_text
 
 pytestmark = pytest.mark.engine
 
@@ -188,8 +189,8 @@ async def test_the_stack_serves_over_tls_with_credentials(
             await asyncio.sleep(0.3)
         url = f"http://127.0.0.1:{port}"
         prompt = "Over TLS with a password: flitul quean pyst, the plel of stroun"
-        pushed = await _complete(url, prompt, "push")
-        assert pushed == await _complete(url, prompt, "local") != ""
+        pushed = await completion_text(url, prompt, "push", 10)
+        assert pushed == await completion_text(url, prompt, "local", 10) != ""
         async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
             metrics = await resp.text()
         assert 'kvpush_gateway_kv_outcomes_total{mode="push",outcome="received"} 1.0' in metrics
@@ -209,15 +210,3 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-async def _complete(url: str, prompt: str, mode: str) -> str:
-    body = {"model": "kvpush-tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0.0}
-    body["kvpush_mode"] = mode
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{url}/v1/completions", json=body) as resp,
-    ):
-        answer = await resp.json()
-        assert resp.status == 200, answer
-    return answer["choices"][0]["text"]

@@ -50,7 +50,9 @@ class WorkerProc:
         cores: list[int],
         log_dir: str | Path,
         *extra: str,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = {**os.environ, **(env or {})}
         self.role, self.worker_id = role, worker_id
         self.log_path = Path(log_dir) / f"{worker_id}.log"
         self.argv = [
@@ -61,9 +63,13 @@ class WorkerProc:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProc:
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:  # a restarted worker appends
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
             )
         return self
 
