@@ -106,6 +106,26 @@ Examples:
   kvpush bench serve --systems kvpush-push,vllm-pull --input-lens 2048 --qps 0.5,1,1.2"""
 
 
+_SOAK_DOC = """\
+kvpush bench soak: its own stack (nats-server, gateway, one slow prefill worker, one decode
+worker, tiny model), greedy requests in push/pull/local mode checked token-exact against
+references, client aborts, and a fault every --fault-every seconds (kill P or D, stop D past
+its lease, restart nats-server, a burst). Reports requests, errors by kind, fallbacks, wrong
+tokens (must be 0) and leaked KV blocks (must be 0); exit 1 if either is not 0."""
+
+
+def _soak_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpush.services.bench import soak
+
+    soak.add_arguments(parser)
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    from kvpush.services.bench import soak
+
+    return soak.main(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from kvpush.services.bench.serve import run
 
@@ -236,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     bench_sub.choices["serve"].set_defaults(func=_cmd_bench_serve)
+    soak = bench_sub.add_parser(
+        "soak",
+        help="mixed load with random faults for N minutes: 0 wrong tokens, 0 leaked blocks",
+        description=_SOAK_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _soak_arguments(soak)
+    soak.set_defaults(func=_cmd_bench_soak)
 
     from kvpush.services import up
     from kvpush.services.workers import config as worker_config
