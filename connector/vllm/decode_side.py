@@ -290,6 +290,9 @@ class DecodeSide:
             if not alive:
                 log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
                 self.transport.peer_lost(address)
+                for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
+                    if inc.peer == address and inc.outcome is None and not inc.started:
+                        self._settle(inc, TransferState.FAILED)
         notify()
 
     def collect(self, events: list[TransferEvent]) -> tuple[set[str], set[str]]:

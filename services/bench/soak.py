@@ -6,7 +6,8 @@ slow prefill that keeps race windows open) and one decode worker (core 1, a fixe
 port). A pool of prompts (each under one 128-token block, so no prefix cache serves them) gets
 reference answers from D alone (mode local) first. Then, for ``--minutes``:
 
-- clients send greedy requests from the pool in push, pull and local mode at ``--concurrency``,
+- clients send greedy requests from the pool at ``--concurrency``: the deployment's default
+  mode (push; local while no prefill worker is alive) or push, pull or local asked for,
   a share of them streamed and dropped by the client half way (``--abort-share``);
 - every ``--fault-every`` seconds one fault, chosen at random: kill P (SIGKILL) and start it
   again, kill D and start it again (same port, new epoch), stop D past its lease (SIGSTOP, 5 s),
@@ -153,12 +154,14 @@ class Soak:
         self.nats.stop()
 
     # ---- load ------------------------------------------------------------------------------
-    async def _send(self, prompt: str, mode: str, stream: bool) -> tuple[int, str, str]:
+    async def _send(self, prompt: str, mode: str | None, stream: bool) -> tuple[int, str, str]:
         assert self.gateway is not None
         body = {
             "model": models.TINY.name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "kvpush_mode": mode, "stream": stream,
+            "stream": stream,
         }  # fmt: skip
+        if mode is not None:
+            body["kvpush_mode"] = mode
         timeout = aiohttp.ClientTimeout(total=90)
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
@@ -175,7 +178,7 @@ class Soak:
     async def _client(self, pool: list[tuple[str, str]], until: float) -> None:
         while time.monotonic() < until:
             prompt, reference = self.rng.choice(pool)
-            mode = self.rng.choice(("push", "push", "pull", "local"))
+            mode = self.rng.choice((None, None, "push", "pull", "local"))  # None: the default
             abort = self.rng.random() < self.args.abort_share
             try:
                 status, text, error = await self._send(prompt, mode, abort)
@@ -190,6 +193,7 @@ class Soak:
                 self.counts["wrong"] += text != reference
             else:
                 self.errors[f"{status} {error}"] += 1
+                await asyncio.sleep(0.5)  # a client backs off after an error
 
     async def _fault(self, pool: list[tuple[str, str]], until: float) -> None:
         while time.monotonic() + self.args.fault_every < until:

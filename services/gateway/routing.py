@@ -206,7 +206,9 @@ class Router:
         """Choose mode, D and P; raise ``NoWorkerError`` when a needed role has no worker."""
         mode = self.mode_for(prompt_tokens, requested)
         if mode is not TransferMode.LOCAL and not self.registry.alive(WorkerRole.PREFILL):
-            raise NoWorkerError(WorkerRole.PREFILL)
+            if requested is not None:  # the client asked for a transfer: say why it can't be
+                raise NoWorkerError(WorkerRole.PREFILL)
+            mode = TransferMode.LOCAL  # degraded, not down: decode computes the prompt
         decode = self.registry.pick(WorkerRole.DECODE)
         if mode is TransferMode.LOCAL:
             try:  # any live P carries the subject; it ignores LOCAL requests, so no load

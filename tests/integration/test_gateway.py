@@ -127,7 +127,7 @@ async def test_short_prompts_go_local_long_ones_use_the_mode_and_requests_may_ov
     assert s.decode.events[-1].mode is TransferMode.PULL
 
 
-async def test_without_prefill_short_prompts_run_decode_only_and_long_ones_get_503(
+async def test_without_prefill_decode_serves_alone_unless_a_transfer_is_asked_for(
     stack: StackFactory,
 ) -> None:
     s = await stack(prefill=())
@@ -137,7 +137,11 @@ async def test_without_prefill_short_prompts_run_decode_only_and_long_ones_get_5
     assert status == 200
     assert s.decode.events[0].prefill_id == DECODE_ONLY
     assert s.decode.events[0].mode is TransferMode.LOCAL
-    status, error = await s.post("/v1/completions", {"prompt": list(range(1, 300))})
+    status, _ = await s.post("/v1/completions", {"prompt": list(range(1, 300))})
+    assert status == 200  # past the local threshold, but no P: degraded to local, not down
+    assert s.decode.events[1].mode is TransferMode.LOCAL
+    body = {"prompt": list(range(1, 300)), "kvpush_mode": "push"}
+    status, error = await s.post("/v1/completions", body)
     assert status == 503 and error["error"]["code"] == "no_workers"
 
 
@@ -163,7 +167,8 @@ async def test_ready_follows_heartbeats_leases_and_draining(stack: StackFactory,
     await ready_is(200)
     p.beating = False  # lease 0.5 s
     await ready_is(503)
-    status, error = await s.post("/v1/completions", {"prompt": list(range(1, 300))})
+    body = {"prompt": list(range(1, 300)), "kvpush_mode": "push"}
+    status, error = await s.post("/v1/completions", body)
     assert status == 503, error
 
 

@@ -146,6 +146,30 @@ async def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
         nats.stop()
 
 
+Bystanders = list[tuple[str, "asyncio.Task[tuple[int, dict[str, Any]]]"]]
+
+
+async def bystanders(stack: Stack, rng: random.Random) -> Bystanders:
+    """Two other requests (push and pull) in flight while a fault hits: (reference, task)."""
+    texts = [prompt(rng) for _ in range(2)]
+    references = [text_of((await complete(stack.gateway.url, t, "local"))[1]) for t in texts]
+    tasks = [
+        asyncio.create_task(complete(stack.gateway.url, t, mode))
+        for t, mode in zip(texts, ("push", "pull"), strict=True)
+    ]
+    return list(zip(references, tasks, strict=True))
+
+
+async def check_bystanders(pairs: Bystanders) -> None:
+    """Each is token-exact, or failed with a clear error (its worker died under it)."""
+    for reference, task in pairs:
+        status, answer = await task
+        if status == 200:
+            assert text_of(answer) == reference, answer
+        else:
+            assert status in (502, 503, 504) and answer["error"]["message"], answer
+
+
 async def wait_announced(stack: Stack, before: int, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while len(stack.announced) <= before:
@@ -165,6 +189,7 @@ async def test_prefill_killed_around_the_announcement_d_computes_the_prompt(
     text = prompt(rng)
     status, reference = await complete(stack.gateway.url, text, "local")
     assert status == 200
+    others = await bystanders(stack, rng)
     before = len(stack.announced)
     if when == "before":  # P dies; the gateway still routes to it until its lease ends
         stack.procs[P].signal(signal.SIGKILL)
@@ -178,6 +203,7 @@ async def test_prefill_killed_around_the_announcement_d_computes_the_prompt(
     assert status == 200, answer
     assert text_of(answer) == text_of(reference)  # D fell back and computed it itself
     assert time.monotonic() - started < 30, "D waited for the deadline instead of its lease"
+    await check_bystanders(others)
     stack.restart_worker(P)
     await fresh_beat(stack, P)
     await blocks_back(stack)
@@ -188,12 +214,14 @@ async def test_decode_killed_mid_push_then_back_on_its_port_with_a_new_epoch(
     stack: Stack, rng: random.Random
 ) -> None:
     old_epoch = stack.observer.last_beat(D).epoch
+    others = await bystanders(stack, rng)
     before = len(stack.announced)
     request = asyncio.create_task(complete(stack.gateway.url, prompt(rng), "push"))
     await wait_announced(stack, before)
     stack.procs[D].signal(signal.SIGKILL)
     status, answer = await request
     assert status == 502 and "decode worker" in answer["error"]["message"], answer
+    await check_bystanders(others)
     stack.restart_worker(D)
     beat = await stack.observer.fresh_beat(D, lambda b: b.epoch != old_epoch, 240)
     assert beat.epoch != old_epoch
@@ -202,6 +230,7 @@ async def test_decode_killed_mid_push_then_back_on_its_port_with_a_new_epoch(
 
 
 async def test_decode_stopped_past_its_lease(stack: Stack, rng: random.Random) -> None:
+    others = await bystanders(stack, rng)
     before = len(stack.announced)
     request = asyncio.create_task(complete(stack.gateway.url, prompt(rng), "push"))
     await wait_announced(stack, before)
@@ -211,6 +240,7 @@ async def test_decode_stopped_past_its_lease(stack: Stack, rng: random.Random) -
     finally:
         stack.procs[D].signal(signal.SIGCONT)
     assert status == 502 and "decode worker" in answer["error"]["message"], answer
+    await check_bystanders(others)
     await blocks_back(stack)
     await serves_again(stack, rng)
 

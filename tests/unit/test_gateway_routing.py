@@ -125,8 +125,10 @@ def test_local_without_prefill_is_decode_only_and_push_needs_prefill(
     router = Router(registry, TransferMode.PUSH, local_threshold=256)
     local = router.route(10)
     assert (local.prefill_id, local.decode_id, local.prefill_epoch) == (DECODE_ONLY, "d0", None)
+    degraded = router.route(300)  # no prefill worker: decode computes it (degraded, not down)
+    assert (degraded.mode, degraded.prefill_id) == (TransferMode.LOCAL, DECODE_ONLY)
     with pytest.raises(NoWorkerError) as info:
-        router.route(300)
+        router.route(300, TransferMode.PUSH)  # asked for a transfer: 503 with the reason
     assert info.value.role is P
     with pytest.raises(NoWorkerError):
         Router(WorkerRegistry(), TransferMode.PUSH, 256).route(10)
