@@ -29,6 +29,7 @@ import pytest
 
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
+from kvpush.services.bench.soak import WORDS  # made-up words of the tiny model
 from kvpush.services.gateway.app import Gateway, GatewayConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.http_client import complete
@@ -38,20 +39,6 @@ pytestmark = pytest.mark.engine
 
 P, D = "fp0", "fd0"
 LAYER_DELAY_MS = 400  # x 2 layers of the tiny model: P's prefill takes ~0.8 s
-WORDS = [
-    "flitul",
-    "quean",
-    "pyst",
-    "plel",
-    "stroun",
-    "brea",
-    "tocko",
-    "gem",
-    "stind",
-    "griond",
-    "chest",
-    "sosio",
-]
 
 
 @dataclass
