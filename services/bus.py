@@ -267,6 +267,20 @@ class Bus:
         )
 
     async def flush(self, timeout_s: float = 5.0) -> None:
+        """Return once the server has processed every command this bus sent before the call
+        (subscriptions included: another connection's publish after this reaches them).
+
+        nats-py's ``Client.flush`` alone does not promise that: it writes its PING straight to
+        the socket while earlier SUB/PUB commands may still sit in the client's pending buffer,
+        waiting for its flusher task, so the PONG can come back before the server has seen them
+        (seen here: a subscription made and flushed missed the next publish of another client,
+        about 1 run in 40). So first hand the pending buffer to the socket and wait for that
+        (``force_flush``), then ping.
+        """
+        try:
+            await asyncio.wait_for(self._nc._flush_pending(force_flush=True), timeout_s)
+        except asyncio.TimeoutError:
+            raise nats.errors.FlushTimeoutError from None
         await self._nc.flush(timeout=timeout_s)
 
     async def drain(self) -> None:

@@ -153,11 +153,16 @@ class EmbeddedNats:
             f"nats-server not accepting on {self.host}:{self.port}: {self._tail()}"
         )
 
-    def _tail(self, limit: int = 2000) -> str:
+    def log_text(self) -> str:
+        """Everything the server has printed so far (with ``-V`` in ``extra_args``: a trace of
+        every protocol line it received)."""
         try:
-            return self._log.read_text(errors="replace")[-limit:] if self._log else ""
+            return self._log.read_text(errors="replace") if self._log else ""
         except OSError:
             return ""
+
+    def _tail(self, limit: int = 2000) -> str:
+        return self.log_text()[-limit:]
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its temporary files."""

@@ -93,6 +93,33 @@ async def test_one_publish_reaches_exactly_its_prefill_and_decode(
     assert inboxes["p1"].items[0][0] == "kvpush.v1.req.p1.d1"
 
 
+async def test_flush_returns_only_after_the_server_processed_earlier_subscriptions() -> None:
+    """nats-py's own flush writes its PING ahead of a SUB still in the client's buffer, so
+    another client's publish right after it could miss the subscription (the bus tests' old
+    flake). The server's protocol trace shows the order it processed our commands in."""
+    server = EmbeddedNats(extra_args=("-V",))  # -V: trace every protocol line received
+    server.start()
+    try:
+        traced = await Bus.connect(BusConfig(url=server.url, name="traced"))
+        await traced.subscribe(subjects.abort("w9"), Inbox())
+        await traced.flush()
+        ops: list[str] = []
+
+        def received_ops() -> bool:
+            lines = server.log_text().splitlines()
+            ops[:] = [line.rsplit("<<- [", 1)[1] for line in lines if "<<- [" in line]
+            return any(op.startswith("SUB kvpush.v1.abort.w9") for op in ops)
+
+        await wait_until(received_ops)
+        await traced.close()
+    finally:
+        server.stop()
+    sub = next(i for i, op in enumerate(ops) if op.startswith("SUB kvpush.v1.abort.w9"))
+    pings = [i for i, op in enumerate(ops) if op.startswith("PING")]
+    # connect's own PING, then the flush's: the flush's PING must follow the SUB
+    assert len(pings) == 2 and pings[0] < sub < pings[1], ops
+
+
 async def test_trace_context_in_headers_parents_the_receiving_span(
     bus: Bus, second_bus: Bus, spans: InMemorySpanExporter
 ) -> None:
