@@ -73,10 +73,12 @@ class RecentRequests:
         completion_tokens: int,
         ttft_ms: float | None,
         e2e_ms: float,
+        kv: str = "",
     ) -> None:
         """Record one finished request. ``breakdown`` is None when the request failed before
         its first byte or its parts are unknown (drawn as a grey row with ``status``);
-        ``ttft_ms`` None falls back to the breakdown's sum."""
+        ``ttft_ms`` None falls back to the breakdown's sum. ``kv``: what decode did with a
+        served push/pull request (``received`` or ``fallback``; empty otherwise)."""
         if ttft_ms is None and breakdown is not None:
             ttft_ms = breakdown.ttft_ms
         parts = None
@@ -94,6 +96,7 @@ class RecentRequests:
                 "completion_tokens": completion_tokens,
                 "ttft_ms": None if ttft_ms is None else round(ttft_ms, 3),
                 "e2e_ms": round(e2e_ms, 3),
+                "kv": kv,
                 "finished_at_ms": int(time.time() * 1000),
                 "parts_ms": parts,
             }

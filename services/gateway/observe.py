@@ -77,6 +77,7 @@ class Observer:
 
     def finished(self, request: FinishedRequest) -> None:
         self.counts["ok" if request.status == "ok" else "failed"] += 1
+        outcome = ""
         if request.status == "ok" and request.mode != "local":
             landed = request.worker_timing is not None and request.worker_timing.kv_landed > 0
             outcome = "received" if landed else "fallback"
@@ -109,4 +110,5 @@ class Observer:
             completion_tokens=request.completion_tokens,
             ttft_ms=found.ttft_ms if found is not None else None,
             e2e_ms=max(0.0, (end_ns - request.arrived_ns) / 1e6),
+            kv=outcome,
         )

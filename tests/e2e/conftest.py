@@ -20,13 +20,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.services.gateway.app import Gateway, GatewayConfig
 from tests.integration.worker_proc import Observer
@@ -96,6 +99,20 @@ class UpStack:
 
     def client(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    async def kv_outcomes(self) -> Counter[tuple[str, str]]:
+        """The gateway's ``kvpush_gateway_kv_outcomes`` so far, by (mode, outcome): what D did
+        with each push/pull request (received: the KV came from P; fallback: D computed it)."""
+        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics") as resp:
+            text = await resp.text()
+        found: Counter[tuple[str, str]] = Counter()
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvpush_gateway_kv_outcomes":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        labels = sample.labels
+                        found[labels["mode"], labels["outcome"]] += int(sample.value)
+        return found
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,6 @@ pytestmark = pytest.mark.engine
 
 PROMPT_TOKENS = 96  # six 16-token blocks
 LAYERS = models.TINY.layers
-CLIENT_SLACK_MS = 15.0  # the HTTP client's own time around the gateway's (connect, parse)
 
 
 def prompt(rng: random.Random) -> list[int]:
@@ -46,8 +45,9 @@ def prompt(rng: random.Random) -> list[int]:
 
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, ids: list[int]
-) -> tuple[str, float]:
-    """(response id, TTFT in ms as the client saw it: request sent to first SSE event read)."""
+) -> tuple[str, int, int]:
+    """(response id, unix ns before the request was sent, unix ns when its first SSE event was
+    read): the client's view of TTFT, on the clock the spans use."""
     body = {
         "model": models.TINY.name,
         "prompt": ids,
@@ -56,18 +56,17 @@ async def stream_completion(
         "stream": True,
         "kvpush_mode": "push",
     }
-    started = time.perf_counter()
-    ttft_ms = 0.0
+    sent_ns = time.time_ns()
+    first_event_ns = 0
     request_id = ""
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
-            if not ttft_ms:
-                ttft_ms = (time.perf_counter() - started) * 1e3
+            first_event_ns = first_event_ns or time.time_ns()
             request_id = request_id or json.loads(line[6:])["id"]
-    return request_id, ttft_ms
+    return request_id, sent_ns, first_event_ns
 
 
 def trace_of(path: Path, request_id: str) -> list[SpanRecord]:
@@ -119,7 +118,9 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
 ) -> None:
     async with aiohttp.ClientSession() as session:
         await stream_completion(session, up_stack.url, prompt(rng))  # warm: handshake done
-        request_id, client_ttft_ms = await stream_completion(session, up_stack.url, prompt(rng))
+        request_id, sent_ns, first_event_ns = await stream_completion(
+            session, up_stack.url, prompt(rng)
+        )
     trace = await wait_for_trace(up_stack.trace_file, request_id)
     counts: dict[tuple[str, str], int] = {}
     for record in trace:
@@ -182,11 +183,12 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
     assert found.request_id == request_id and found.mode == "push"
     parts = dict(zip(PART_NAMES, found.parts_ms, strict=True))
     assert parts["prefill_compute"] > 0 and parts["decode_first_step"] > 0, parts
-    gateway_ttft_ms = (one("kvpush-gateway", "gateway.first_byte").end_ns - root.start_ns) / 1e6
+    first_byte = one("kvpush-gateway", "gateway.first_byte")
+    gateway_ttft_ms = (first_byte.end_ns - root.start_ns) / 1e6
     assert sum(found.parts_ms) == pytest.approx(gateway_ttft_ms, abs=1e-3)
-    # The parts add up to what the client saw, but for the client's own connect/parse time.
-    assert found.ttft_ms <= client_ttft_ms + 0.5, (found.ttft_ms, client_ttft_ms)
-    assert client_ttft_ms - found.ttft_ms < CLIENT_SLACK_MS, (found.ttft_ms, client_ttft_ms)
+    # The gateway's TTFT lies inside the client's (one host, one clock): the parts account for
+    # what the client saw but for its own send and parse time around them.
+    assert sent_ns <= root.start_ns < first_byte.end_ns <= first_event_ns
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -3,7 +3,9 @@
 ``kvpush up`` (its own nats-server, the tiny model, P on core 0, D on core 1, the gateway)
 serves every test. Greedy answers moved by push and pull are compared with the aggregated
 answer: the same stack in mode local, where the decode engine computes the prompt itself
-(short prompts hold no full KV block, so neither run can reuse the other's prefix cache).
+(short prompts hold no full KV block, so neither run can reuse the other's prefix cache), and
+the gateway's kv outcome counter must show every push/pull answer came from moved KV (a silent
+recompute on D fails the test).
 Error cases each check status and OpenAI error body, then that the stack still serves. The
 last two tests stop the stack: SIGTERM drains the decode worker, Ctrl-C stops ``kvpush up``.
 """
@@ -15,6 +17,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -71,6 +74,19 @@ async def assert_serving(stack: UpStack) -> None:
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
 
 
+async def assert_kv_received(
+    stack: UpStack, before: Counter[tuple[str, str]], expected: Counter[tuple[str, str]]
+) -> None:
+    """Since ``before``, exactly ``expected`` push/pull requests, by (mode, "received"): D got
+    each one's KV from P, none fell back to computing the prompt itself. (The gateway counts a
+    request just after its last byte: wait until every one is counted, then compare.)"""
+    deadline = time.monotonic() + 30
+    while sum(((await stack.kv_outcomes()) - before).values()) < sum(expected.values()):
+        assert time.monotonic() < deadline, "requests not counted"
+        await asyncio.sleep(0.05)
+    assert (await stack.kv_outcomes()) - before == expected
+
+
 def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
     body = exc.response.json()
     assert set(body["error"]) >= {"message", "type", "param", "code"}, body
@@ -83,6 +99,7 @@ async def test_completions_equal_the_aggregated_answer_streamed_or_not(
     up_stack: UpStack, mode: str
 ) -> None:
     client = up_stack.client()
+    before = await up_stack.kv_outcomes()
     for prompt in PROMPTS:
         ref = await complete(client, prompt, "local")
         got = await complete(client, prompt, mode)
@@ -99,6 +116,7 @@ async def test_completions_equal_the_aggregated_answer_streamed_or_not(
         assert text == ref.choices[0].text
         assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
         assert usage is not None and usage.completion_tokens == 16
+    await assert_kv_received(up_stack, before, Counter({(mode, "received"): 2 * len(PROMPTS)}))
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -106,6 +124,7 @@ async def test_chat_equals_the_aggregated_answer_streamed_or_not(
     up_stack: UpStack, mode: str
 ) -> None:
     client = up_stack.client()
+    before = await up_stack.kv_outcomes()
     for messages in MESSAGES:
         ref = await client.chat.completions.create(messages=messages, **greedy("local"))
         got = await client.chat.completions.create(messages=messages, **greedy(mode))
@@ -118,6 +137,7 @@ async def test_chat_equals_the_aggregated_answer_streamed_or_not(
         )
         text, finishes, _ = await streamed(stream)
         assert text == answer and finishes[-1] == "length"
+    await assert_kv_received(up_stack, before, Counter({(mode, "received"): 2 * len(MESSAGES)}))
 
 
 async def test_a_long_prompt_moved_by_push_and_pull_gives_the_aggregated_answer(
@@ -129,9 +149,11 @@ async def test_a_long_prompt_moved_by_push_and_pull_gives_the_aggregated_answer(
     ids = [rng.randrange(10, 2000) for _ in range(300)]
     ref = await complete(client, ids, "local", max_tokens=24)
     for mode in ("push", "pull"):
+        before = await up_stack.kv_outcomes()
         got = await complete(client, ids, mode, max_tokens=24)
         assert got.choices[0].text == ref.choices[0].text != ""
         assert got.usage.prompt_tokens == 300
+        await assert_kv_received(up_stack, before, Counter({(mode, "received"): 1}))
 
 
 async def test_twenty_concurrent_requests_are_all_correct(
@@ -148,10 +170,11 @@ async def test_twenty_concurrent_requests_are_all_correct(
         stream = await client.completions.create(prompt=prompt, stream=True, **greedy(mode))
         return (await streamed(stream))[0]
 
-    started = time.monotonic()
+    before = await up_stack.kv_outcomes()
     answers = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     assert answers == refs
-    assert time.monotonic() - started < 60
+    modes = Counter(("push" if i % 3 else "pull", "received") for i in range(len(prompts)))
+    await assert_kv_received(up_stack, before, modes)
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -219,9 +242,7 @@ async def test_a_request_past_its_deadline_is_504_and_its_workers_are_freed(
         await complete(client, "slow", "push", max_tokens=3500, ignore_eos=True)
     assert timed_out.value.status_code == 504
     assert error_of(timed_out.value)["code"] == "timeout"
-    waited = time.monotonic() - started
-    assert waited >= 1.0  # not before the deadline
-    assert waited < 5.0  # at the deadline, not after a hang
+    assert time.monotonic() - started >= 1.0  # not before the deadline
     await observer.fresh_beat(DECODE_ID, lambda b: b.in_flight == 0, timeout_s=5)
     await assert_serving(up_stack)
 

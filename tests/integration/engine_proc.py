@@ -68,6 +68,8 @@ def _output_dict(out: Any, handle: Any) -> dict[str, Any]:
         "num_cached_tokens": out.num_cached_tokens,
         "first_output_s": None if first is None else first - handle.submitted_at,
         "total_s": None if done is None else done - handle.submitted_at,
+        "submitted_at": handle.submitted_at,  # time.monotonic(): one clock for every process
+        "kv_landed_ns": 0,  # set by collect: when D's connector had the moved KV (0: it did not)
     }
 
 
@@ -83,6 +85,8 @@ def _failed(request_id: str, error: str) -> dict[str, Any]:
         "num_cached_tokens": None,
         "first_output_s": None,
         "total_s": None,
+        "submitted_at": None,
+        "kv_landed_ns": 0,
     }
 
 
@@ -120,7 +124,10 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
             "connector": dict(runtime.info),
         },
     )
+    from kvpush.connector.vllm import timing  # the connector's marks of this process
+
     handles: dict[str, Any] = {}
+    transfer_of: dict[str, str] = {}  # request id -> its transfer id (kv_transfer_params)
 
     def collect(seq: int, ids: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -137,6 +144,8 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
                 continue
             handles.pop(rid, None)
             results.append(_output_dict(out, handle))
+            marks = timing.take(transfer_of.pop(rid, ""))
+            results[-1]["kv_landed_ns"] = marks.kv_landed if marks is not None else 0
         send("reply", seq, True, results)
 
     def wait_tokens(seq: int, rid: str, count: int, timeout: float) -> None:
@@ -170,6 +179,9 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
                     kv_transfer_params=req.get("kv_transfer_params"),
                     cache_salt=req.get("cache_salt"),
                 )
+                params = (req.get("kv_transfer_params") or {}).get("kvpush") or {}
+                if params.get("transfer_id"):
+                    transfer_of[rid] = params["transfer_id"]
                 ids.append(rid)
             return ids
         if op == "abort":

@@ -125,4 +125,5 @@ def test_push_with_prefill_engine_multiprocessing_on_is_token_exact(
     assert len(mp_prefill.recv()) == 1
     (d_out,) = decode.collect([f"d-{tid}"])
     assert d_out["token_ids"] == expected
+    assert d_out["kv_landed_ns"] > 0, d_out
     assert decode.free_blocks() == before

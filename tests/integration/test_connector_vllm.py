@@ -1,8 +1,10 @@
 """KVPushConnector between two real vLLM CPU engines (tiny model), real NIXL and nats-server.
 
 Every P/D answer is compared with the same decode engine computing the prompt itself (greedy,
-prefix cache kept apart with a cache salt); the swap tests prove the KV really moved and was
-used; every test ends with both engines' free block counts back where they started.
+prefix cache kept apart with a cache salt) and must come with D's connector reporting the KV
+landed (``kv_landed_ns``: a silent recompute on D fails the test); the swap tests prove the KV
+really moved and was used; every test ends with both engines' free block counts back where they
+started.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvpush.schemas import KvPushed, subjects
+from kvpush.services import models
 from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID
@@ -75,9 +78,12 @@ def run_pd(
     mode: str,
     order: str = "together",
     d_salt: str | None = None,
+    expect_transfer: bool = True,
     **params: Any,
 ) -> tuple[dict, dict]:
-    """One request through P (max_tokens=1) and D with one transfer; returns (P, D) results."""
+    """One request through P (max_tokens=1) and D with one transfer; returns (P, D) results.
+    D's connector must report the KV landed (``expect_transfer``) or, when not, that D
+    computed the prompt itself."""
     prefill, decode = engines
     tid = f"tx-{uuid.uuid4().hex[:16]}"
     kv = kv_params(tid, mode, **params)
@@ -98,6 +104,7 @@ def run_pd(
         (p_out,) = prefill.collect([p_req["request_id"]])
     assert p_out["error"] is None, p_out
     assert d_out["error"] is None, d_out
+    assert (d_out["kv_landed_ns"] > 0) is expect_transfer, d_out
     return p_out, d_out
 
 
@@ -112,7 +119,8 @@ def test_pd_output_equals_one_engine_for_every_prompt_shape(
 ) -> None:
     ids = prompt(rng, length)
     expected = reference(pd_engines[1], ids)
-    _, d_out = run_pd(pd_engines, ids, ids, mode)
+    # a 1-token prompt has nothing to move (D computes its one token: min_transfer_tokens)
+    _, d_out = run_pd(pd_engines, ids, ids, mode, expect_transfer=length > 1)
     assert d_out["token_ids"] == expected
 
 
@@ -169,10 +177,13 @@ def test_partial_prefix_hit_on_decode_pushes_only_the_missing_blocks(
     assert d_out["num_cached_tokens"] >= 2 * BLOCK
     assert len(pushed) == 1
     (event,) = pushed
-    per_block = event.bytes // 2  # two blocks pushed (tokens 256..413), not four
     assert event.num_tokens == len(ids)
-    assert event.bytes > 0 and per_block * 2 == event.bytes
-    assert event.descriptors == 2  # one coalesced run per layer, tiny model has 2 layers
+    # K and V of one 128-token block of one layer (fp32): two blocks (tokens 256..413) of each
+    # layer were pushed, not four
+    tiny, fp32 = models.TINY, 4
+    block_bytes = BLOCK * tiny.kv_heads * tiny.head_dim * 2 * fp32
+    assert event.bytes == 2 * tiny.layers * block_bytes, event
+    assert event.descriptors == tiny.layers  # one coalesced run per layer
 
 
 def test_many_concurrent_transfers_are_all_token_exact(
@@ -192,3 +203,4 @@ def test_many_concurrent_transfers_are_all_token_exact(
     d_outs = decode.collect([r["request_id"] for r in d_reqs])
     prefill.collect([r["request_id"] for r in p_reqs])
     assert [out["token_ids"] for out in d_outs] == expected
+    assert all(out["kv_landed_ns"] > 0 for out in d_outs), d_outs

@@ -97,10 +97,9 @@ async def test_a_lost_decode_worker_fails_its_requests_with_502(stack: StackFact
     pending = asyncio.create_task(s.post("/v1/completions", {"prompt": "x"}))
     await wait_until(lambda: len(s.decode.events) == 1)
     s.decode.beating = False
-    started = time.monotonic()
     status, answer = await pending
-    assert status == 502 and "lost" in answer["error"]["message"]
-    assert time.monotonic() - started < 2.0  # lease 0.5 s + poll, not the 10 s deadline
+    # the lease ended it: the request's deadline would have answered 504 "timeout"
+    assert status == 502 and "lost" in answer["error"]["message"], answer
     await wait_until(lambda: bool(s.prefill.aborts))
 
 

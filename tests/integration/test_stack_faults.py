@@ -32,6 +32,7 @@ from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 from kvpush.services.bench.soak import WORDS  # made-up words of the tiny model
 from kvpush.services.gateway.app import Gateway, GatewayConfig
 from kvpush.services.natsd import EmbeddedNats
+from kvpush.services.workers.config import WorkerConfig
 from tests.integration.http_client import complete
 from tests.integration.worker_proc import Observer, WorkerProc, kill_all
 
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.engine
 
 P, D = "fp0", "fd0"
 LAYER_DELAY_MS = 400  # x 2 layers of the tiny model: P's prefill takes ~0.8 s
+TRANSFER_TIMEOUT_S = WorkerConfig.transfer_timeout_s  # the workers' default
 
 
 @dataclass
@@ -85,13 +87,27 @@ async def blocks_back(stack: Stack, timeout_s: float = 40.0) -> None:
         )
 
 
+async def kv_outcome(stack: Stack, answer: dict[str, Any]) -> str:
+    """What D did with this served push/pull request, as the gateway recorded it when the
+    request ended (just after its last byte): "received" (the KV came from P) or "fallback"."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = [r for r in stack.gateway.api.recent.snapshot() if r["request_id"] == answer["id"]]
+        if rows:
+            return str(rows[0]["kv"])
+        assert time.monotonic() < deadline, f"request {answer['id']} not recorded"
+        await asyncio.sleep(0.05)
+
+
 async def serves_again(stack: Stack, rng: random.Random) -> None:
+    """Push and pull answer token-exact again, each from KV moved from P (no fallback)."""
     text = prompt(rng)
     status, reference = await complete(stack.gateway.url, text, "local")
     assert status == 200, reference
     for mode in ("push", "pull"):
         status, answer = await complete(stack.gateway.url, text, mode)
         assert status == 200 and text_of(answer) == text_of(reference), (mode, answer)
+        assert await kv_outcome(stack, answer) == "received", (mode, answer)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +140,7 @@ async def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
             stack.announced.add(msg.data.decode()[:4000])
 
         await observer.bus.client.subscribe(subjects.blocks(P), cb=on_blocks)
+        await observer.bus.flush()
         yield stack
     finally:
         if gateway is not None:
@@ -188,8 +205,10 @@ async def test_prefill_killed_around_the_announcement_d_computes_the_prompt(
     started = time.monotonic()
     status, answer = await request
     assert status == 200, answer
-    assert text_of(answer) == text_of(reference)  # D fell back and computed it itself
-    assert time.monotonic() - started < 30, "D waited for the deadline instead of its lease"
+    assert text_of(answer) == text_of(reference)
+    assert await kv_outcome(stack, answer) == "fallback"  # D computed the prompt itself
+    # D's lease on P (3 s) ended the wait, not the transfer's timeout
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S, "D waited for the transfer timeout"
     await check_bystanders(others)
     stack.restart_worker(P)
     await fresh_beat(stack, P)
@@ -265,6 +284,7 @@ async def test_aborts_racing_the_last_write_never_corrupt_reused_blocks(
         request.cancel()
         status, answer = await complete(stack.gateway.url, check, "push")
         assert status == 200 and text_of(answer) == text_of(reference), (trial, answer)
+        assert await kv_outcome(stack, answer) == "received", (trial, answer)
     await blocks_back(stack)
 
 

@@ -79,6 +79,12 @@ def assert_well_formed(chunks: list[TokenChunk], finish: FinishReason, prompt_le
     )
 
 
+def kv_landed(chunks: list[TokenChunk]) -> int:
+    """When D had the moved KV (its last chunk's Timing); 0: D computed the prompt itself."""
+    timing = chunks[-1].timing
+    return timing.kv_landed if timing is not None else 0
+
+
 async def reference(
     obs: Observer, ids: list[int], max_tokens: int = MAX_TOKENS
 ) -> list[TokenChunk]:
@@ -86,6 +92,7 @@ async def reference(
     chunks = await obs.generate(obs.event(P, REF, ids, "local", max_tokens))
     assert_well_formed(chunks, FinishReason.LENGTH, len(ids))
     assert len(tokens_of(chunks)) == max_tokens
+    assert kv_landed(chunks) == 0  # mode local: nothing moved (the signal tells them apart)
     return chunks
 
 
@@ -98,6 +105,7 @@ async def test_decode_streams_what_one_engine_computes_after_the_kv_moved(
     ids = prompt(rng, length)
     chunks = await obs.generate(obs.event(P, D, ids, mode, MAX_TOKENS))
     assert_well_formed(chunks, FinishReason.LENGTH, length)
+    assert kv_landed(chunks) > 0, chunks[-1]  # a silent recompute on D fails here
     expected = await reference(obs, ids)
     assert tokens_of(chunks) == tokens_of(expected)
     assert text_of(chunks) == text_of(expected) != ""
@@ -110,6 +118,7 @@ async def test_a_non_streaming_request_gets_one_chunk_with_every_token(
     ids = prompt(rng, 200)
     (chunk,) = await obs.generate(obs.event(P, D, ids, "push", 12, stream=False))
     assert chunk.seq == 0 and chunk.finish_reason is FinishReason.LENGTH
+    assert kv_landed([chunk]) > 0, chunk
     assert chunk.token_ids == tokens_of(await reference(obs, ids, 12))
     assert chunk.usage is not None and chunk.usage.completion_tokens == 12
 
@@ -122,9 +131,9 @@ async def test_a_full_decode_worker_answers_overloaded_at_once_and_an_abort_free
     for event in long:
         await obs.publish(event)
     await obs.wait_for(lambda: all(obs.chunks.get(e.request_id) for e in long), 30, "2 running")
-    started = time.monotonic()
-    (refused,) = await obs.generate(obs.event(P, REF, prompt(rng, 40), "local"), timeout_s=5)
-    assert time.monotonic() - started < 1.0
+    (refused,) = await obs.generate(obs.event(P, REF, prompt(rng, 40), "local"), timeout_s=30)
+    # at once: refused while both slots are still busy, not queued until one frees
+    assert not any(obs.finished(e.request_id) for e in long)
     assert (refused.seq, refused.error, refused.finish_reason) == (
         0,
         "overloaded",
@@ -180,9 +189,10 @@ async def test_deadlines_end_requests_late_ones_at_once_running_ones_soon_after(
 
     started = time.monotonic()
     running = obs.event(P, REF, prompt(rng, 40), "local", 4000, ignore_eos=True, deadline_s=0.5)
-    chunks = await obs.generate(running, timeout_s=15)
+    chunks = await obs.generate(running, timeout_s=60)
     assert (chunks[-1].finish_reason, chunks[-1].error) == (FinishReason.ABORT, "deadline")
-    assert 0.5 < time.monotonic() - started < 5.0
+    assert time.monotonic() - started > 0.5  # not before its deadline
+    assert len(tokens_of(chunks)) < 4000  # cut at the deadline, not run to the end
 
 
 async def test_a_request_for_another_model_is_refused(workers: Workers, rng: random.Random) -> None:

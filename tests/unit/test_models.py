@@ -8,7 +8,6 @@ import json
 import string
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -149,9 +148,7 @@ def test_builds_in_two_processes_are_byte_identical(tiny_dir: Path, tmp_path: Pa
 def test_rebuild_of_same_recipe_returns_at_once_without_rewriting(tiny_dir: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     messages: list[str] = []
-    started = time.monotonic()
     assert build_model(TINY, tiny_dir, messages.append) == tiny_dir
-    assert time.monotonic() - started < 0.5
     assert messages == [f"kvpush-tiny already built in {tiny_dir}"]
     assert {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()} == before
 

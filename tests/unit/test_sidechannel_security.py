@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import pickle
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,10 +146,8 @@ def test_the_side_channel_binds_only_the_configured_interface() -> None:
     try:
         assert listening_addresses(srv.port) == {"127.0.0.2"}
         assert fetch_peer(f"tcp://127.0.0.2:{srv.port}", COMPAT, "d0", 3.0).epoch == 7
-        started = time.monotonic()
         with pytest.raises(HandshakeError, match="did not answer"):
             fetch_peer(f"tcp://127.0.0.1:{srv.port}", COMPAT, "d0", 0.5)
-        assert time.monotonic() - started < 3.0
     finally:
         srv.stop()
 
