@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 128
@@ -38,6 +39,22 @@ FIRST_REMOTE = 8  # D's blocks start here: an offset, as after other requests
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help="run nothing: print the summary of DIR/run-*.json (earlier --json outputs): "
+        "medians over the runs, ratio spreads, one line per run",
+    )
+    parser.add_argument(
+        "--doc",
+        metavar="FILE",
+        help="with --report: write the summary into FILE's generated section",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="with --report --doc: change nothing, exit 1 if FILE is not what DIR generates",
+    )
     parser.add_argument("--repeats", type=int, default=25, help="timed repeats per case")
     parser.add_argument(
         "--tokens",
@@ -341,35 +358,13 @@ class _Bench:
         self.raw.close()
 
 
-_COLUMNS = (  # (header, format of one case)
-    ("tokens", "{tokens}"),
-    ("KV MiB", "{mib:.0f}"),
-    ("push GB/s (ms)", "{push_GBps:.2f} ({push_ms:.2f})"),
-    ("start_push ms", "{push_start_ms:.2f}"),
-    ("last-layer tail ms", "{push_tail_ms:.2f}"),
-    ("push 1-req GB/s (ms)", "{push_1req_GBps:.2f} ({push_1req_ms:.2f})"),
-    ("push frag GB/s (descs)", "{push_frag_GBps:.2f} ({frag_descriptors})"),
-    ("pull GB/s (ms)", "{pull_GBps:.2f} ({pull_ms:.2f})"),
-    ("raw WRITE GB/s (ms)", "{raw_GBps:.2f} ({raw_ms:.2f})"),
-    ("raw WRITE/layer GB/s", "{raw_layered_GBps:.2f}"),
-    ("raw READ GB/s", "{raw_read_GBps:.2f}"),
-    ("memcpy GB/s (ms)", "{memcpy_GBps:.2f} ({memcpy_ms:.2f})"),
-    ("push/raw", "{push_vs_raw:.2f}"),
-    ("notice ms", "{notify_ms:.3f}"),
-)
-
-
-def _table(cases: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for h, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for case in cases:
-        values = {**case, "mib": case["kv_bytes"] / 2**20}
-        lines.append("| " + " | ".join(f.format(**values) for _, f in _COLUMNS) + " |")
-    return "\n".join(lines)
-
-
 def main(args: argparse.Namespace) -> int:
     import multiprocessing as mp
 
+    from kvpush.services.bench import docgen, transport_report
+
+    if args.report:
+        return transport_report.report(Path(args.report), args.doc, args.check)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if any(t % BLOCK_SIZE or t <= 0 for t in args.tokens):
         print(f"--tokens must be positive multiples of {BLOCK_SIZE}")
@@ -391,15 +386,24 @@ def main(args: argparse.Namespace) -> int:
             f"{args.descriptors} descriptors, median of {args.repeats} "
             f"({time.monotonic() - started:.1f}s, load {os.getloadavg()[0]:.2f})"
         )
-        print(_table(cases))
+        elapsed_s, load = time.monotonic() - started, os.getloadavg()[0]
+        print(transport_report.table(cases))
         if args.json:
             settings = {
                 "error_mode": args.error_mode,
                 "descriptors": args.descriptors,
                 "repeats": args.repeats,
             }
+            meta = {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "kvpush_rev": docgen.revision(),
+                "repeats": args.repeats,
+                "elapsed_s": round(elapsed_s, 1),
+                "load_avg": round(load, 2),
+            }
+            document = {"meta": meta, "cases": [{**case, **settings} for case in cases]}
             with open(args.json, "w") as f:
-                json.dump({"cases": [{**case, **settings} for case in cases]}, f, indent=1)
+                json.dump(document, f, indent=1)
         return 0
     finally:
         if bench is not None:

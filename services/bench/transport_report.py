@@ -1,0 +1,137 @@
+"""Tables of ``kvpush bench transport``: one run's table, and the summary of several runs.
+
+``table(cases)`` is what one run prints. ``summary(runs)`` turns several runs' JSON documents
+(``kvpush bench transport --json``) into the committed tables of docs/benchmarks/transport.md:
+per case the median over runs of every column, the spread (min-max over runs) of the ratios
+push and pull reach against raw NIXL, and one line per run. ``kvpush bench transport --report
+DIR --doc FILE [--check]`` writes (or checks) that section (``docgen``).
+
+Threading model: plain functions, no state.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpush.services.bench import docgen
+
+COLUMNS = (  # (header, format of one case)
+    ("tokens", "{tokens}"),
+    ("KV MiB", "{mib:.0f}"),
+    ("push GB/s (ms)", "{push_GBps:.2f} ({push_ms:.2f})"),
+    ("start_push ms", "{push_start_ms:.2f}"),
+    ("last-layer tail ms", "{push_tail_ms:.2f}"),
+    ("push 1-req GB/s (ms)", "{push_1req_GBps:.2f} ({push_1req_ms:.2f})"),
+    ("push frag GB/s (descs)", "{push_frag_GBps:.2f} ({frag_descriptors})"),
+    ("pull GB/s (ms)", "{pull_GBps:.2f} ({pull_ms:.2f})"),
+    ("raw WRITE GB/s (ms)", "{raw_GBps:.2f} ({raw_ms:.2f})"),
+    ("raw WRITE/layer GB/s", "{raw_layered_GBps:.2f}"),
+    ("raw READ GB/s", "{raw_read_GBps:.2f}"),
+    ("memcpy GB/s (ms)", "{memcpy_GBps:.2f} ({memcpy_ms:.2f})"),
+    ("push/raw", "{push_vs_raw:.2f}"),
+    ("notice ms", "{notify_ms:.3f}"),
+)
+RATIOS = (  # (header, numerator, denominator): GB/s against GB/s
+    ("push / raw WRITE", "push_GBps", "raw_GBps"),
+    ("push 1-req / raw WRITE", "push_1req_GBps", "raw_GBps"),
+    ("push / raw WRITE per layer", "push_GBps", "raw_layered_GBps"),
+    ("pull / raw READ", "pull_GBps", "raw_read_GBps"),
+    ("pull / raw WRITE", "pull_GBps", "raw_GBps"),
+)
+REPORT_COMMAND = (
+    "kvpush bench transport --report docs/benchmarks/transport --doc docs/benchmarks/transport.md"
+)
+
+
+def _markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def table(cases: Sequence[dict[str, Any]]) -> str:
+    """One run's cases, every column."""
+    rows = []
+    for case in cases:
+        values = {**case, "mib": case["kv_bytes"] / 2**20}
+        rows.append([f.format(**values) for _, f in COLUMNS])
+    return _markdown([h for h, _ in COLUMNS], rows)
+
+
+def load_runs(folder: Path) -> list[dict[str, Any]]:
+    """Every ``run-*.json`` of ``folder``, in name order."""
+    runs = [json.loads(path.read_text()) for path in sorted(folder.glob("run-*.json"))]
+    if not runs:
+        raise FileNotFoundError(f"no run-*.json in {folder}")
+    return runs
+
+
+def _by_tokens(runs: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    found: dict[int, list[dict[str, Any]]] = {}
+    for run in runs:
+        for case in run["cases"]:
+            found.setdefault(int(case["tokens"]), []).append(case)
+    return dict(sorted(found.items()))
+
+
+def _median_case(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = dict(cases[0])
+    for key, value in cases[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[key] = statistics.median(float(c[key]) for c in cases)
+    merged["frag_descriptors"] = int(merged["frag_descriptors"])
+    merged["tokens"] = int(merged["tokens"])
+    return merged
+
+
+def summary(runs: Sequence[dict[str, Any]]) -> str:
+    """The committed section: medians over runs, ratio spreads, and the runs themselves."""
+    grouped = _by_tokens(runs)
+    medians = table([_median_case(cases) for cases in grouped.values()])
+    ratio_rows = []
+    for tokens, cases in grouped.items():
+        row = [str(tokens)]
+        for _, num, den in RATIOS:
+            values = [c[num] / c[den] for c in cases]
+            row.append(f"{min(values):.3f}-{max(values):.3f}")
+        ratio_rows.append(row)
+    ratios = _markdown(["tokens", *(h for h, _, _ in RATIOS)], ratio_rows)
+    run_rows = []
+    for i, run in enumerate(runs, 1):
+        meta = run.get("meta", {})
+        push_vs_raw = ", ".join(f"{c['push_vs_raw']:.3f}" for c in run["cases"])
+        run_rows.append(
+            [
+                str(i),
+                str(meta.get("date", "-")),
+                str(meta.get("kvpush_rev", "-")),
+                str(meta.get("repeats", run["cases"][0].get("repeats", "-"))),
+                f"{meta['load_avg']:.2f}" if "load_avg" in meta else "-",
+                push_vs_raw,
+            ]
+        )
+    listing = _markdown(["run", "date", "rev", "repeats", "load", "push/raw per case"], run_rows)
+    return (
+        f"Median over {len(runs)} runs (each cell: the median of the runs' medians):\n\n"
+        f"{medians}\n\nRatios, min-max over the {len(runs)} runs:\n\n{ratios}\n\n"
+        f"The runs ([data](transport/)):\n\n{listing}"
+    )
+
+
+def report(folder: Path, doc: str | None, check: bool) -> int:
+    """``--report``: print the summary of ``folder``'s runs, or write/check it in ``doc``."""
+    body = summary(load_runs(folder))
+    if not doc:
+        print(body)
+        return 0
+    try:
+        changed = docgen.update(Path(doc), "transport", body, REPORT_COMMAND, check)
+    except docgen.DocOutOfDate as exc:
+        print(exc)
+        return 1
+    print(f"{doc}: {'updated' if changed else 'up to date'}")
+    return 0

@@ -1,0 +1,50 @@
+"""Committed docs carry tables generated from committed JSON: they must be exactly what the data
+generates (a hand edit of a number, or new data without regenerating, fails here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpush.services.bench import docgen, transport_report
+from tests.integration import measure_push_split
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def test_splice_appends_a_section_once_and_then_replaces_only_its_body() -> None:
+    text = "# Title\n\nProse 1.5 ms.\n"
+    once = docgen.splice(text, "t", "| a |\n|---|\n| 1 |", "make it")
+    assert once.startswith(text.rstrip()) and docgen.section(once, "t") == "| a |\n|---|\n| 1 |"
+    twice = docgen.splice(once + "\nMore prose.\n", "t", "| a |\n|---|\n| 2 |", "make it")
+    assert docgen.section(twice, "t") == "| a |\n|---|\n| 2 |"
+    assert twice.count("<!-- generated: t (make it): do not edit -->") == 1
+    assert twice.endswith("More prose.\n") and "Prose 1.5 ms." in twice
+
+
+def test_update_with_check_refuses_a_doc_that_differs_from_its_data(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Doc\n")
+    assert docgen.update(doc, "t", "| x |", "regen") is True
+    assert docgen.update(doc, "t", "| x |", "regen", check=True) is False
+    doc.write_text(doc.read_text().replace("| x |", "| y |"))  # a hand edit
+    with pytest.raises(docgen.DocOutOfDate, match="regen"):
+        docgen.update(doc, "t", "| x |", "regen", check=True)
+
+
+def test_transport_md_tables_are_what_the_committed_runs_generate() -> None:
+    runs = transport_report.load_runs(DOCS / "benchmarks" / "transport")
+    assert len(runs) >= 3
+    body = transport_report.summary(runs)
+    doc = DOCS / "benchmarks" / "transport.md"
+    assert not docgen.update(doc, "transport", body, transport_report.REPORT_COMMAND, check=True)
+
+
+def test_connector_md_time_split_is_what_the_committed_run_generates() -> None:
+    path = DOCS / "benchmarks" / "push-split.json"
+    body = measure_push_split.table(json.loads(path.read_text()))
+    doc = DOCS / "connector.md"
+    assert not docgen.update(doc, "push-split", body, measure_push_split.REPORT_COMMAND, True)
