@@ -103,15 +103,19 @@ _BENCH_SERVE_EPILOG = """\
 Examples:
   kvpush bench serve --quick                      smoke run of all five systems (~10 min)
   kvpush bench serve --out-dir docs/benchmarks/serve
-  kvpush bench serve --systems kvpush-push,vllm-pull --input-lens 2048 --qps 0.5,1,1.2"""
+  kvpush bench serve --systems kvpush-push,vllm-pull --input-lens 2048 --qps 0.5,1,1.2
+  kvpush bench report docs/benchmarks/serve/results.json --out docs/benchmarks/serve.md"""
 
 
 _SOAK_DOC = """\
 kvpush bench soak: its own stack (nats-server, gateway, one slow prefill worker, one decode
-worker, tiny model), greedy requests in push/pull/local mode checked token-exact against
-references, client aborts, and a fault every --fault-every seconds (kill P or D, stop D past
-its lease, restart nats-server, a burst). Reports requests, errors by kind, fallbacks, wrong
-tokens (must be 0) and leaked KV blocks (must be 0); exit 1 if either is not 0."""
+worker, tiny model), greedy requests in push/pull/local mode (JSON, streamed, dropped by the
+client) checked by token ids against references, and a fault every --fault-every seconds (kill
+P or D, stop D past its lease, restart nats-server, a burst past the in-flight bound). Before
+and after each fault the load pauses and every worker's idle free blocks are recorded: leaks
+per fault kind. Every error must be an OpenAI error body that the running fault explains.
+Exit 1 on a wrong token, an unexpected answer, a leaked block, or a success share below
+--min-success-share. --report IN renders a JSON report again; --doc MD rewrites its table."""
 
 
 def _soak_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +134,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from kvpush.services.bench.serve import run
 
     return run.main(args)
+
+
+def _cmd_bench_report(args: argparse.Namespace) -> int:
+    from kvpush.services.bench.serve import report
+
+    return report.main(args)
 
 
 def _cmd_bench_transport(args: argparse.Namespace) -> int:
@@ -256,9 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     bench_sub.choices["serve"].set_defaults(func=_cmd_bench_serve)
+    bench_serve.add_report_arguments(
+        bench_sub.add_parser(
+            "report",
+            help="the markdown tables and target verdicts of a `bench serve` results.json",
+            description=bench_serve.REPORT_DOC,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    bench_sub.choices["report"].set_defaults(func=_cmd_bench_report)
     soak = bench_sub.add_parser(
         "soak",
-        help="mixed load with random faults for N minutes: 0 wrong tokens, 0 leaked blocks",
+        help="load + random faults for N minutes: 0 wrong tokens, 0 leaks, 0 unexpected errors",
         description=_SOAK_DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,12 +1,15 @@
-"""The serving benchmark's load generator and report, against a scripted SSE server.
+"""The serving benchmark's pieces without engines: load generator, plan, checks, report.
 
-The server answers ``/v1/completions`` like vLLM's OpenAI server (one SSE chunk per token, a
-usage chunk, ``[DONE]``) after known delays, so the measured TTFT / ITL / TPOT and the error
-counts are checked against what was scripted. The report is checked on the resulting document.
+The load generator runs against a scripted SSE server that answers ``/v1/completions`` like
+vLLM's OpenAI server (one SSE chunk per token, a usage chunk, ``[DONE]``) after known delays,
+so what it measures is checked against what was scripted. The plan's seeds, the transfer checks
+(on real gateway metrics text and synthetic proxy stats), the median/min-max over repeats, the
+target verdicts and the generated document (markers, ``--check``) run on synthetic data.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -18,10 +21,21 @@ import pytest
 from aiohttp import web
 from PIL import Image
 
-from kvpush.services.bench.serve import loadgen, report
+from kvpush.services.bench.serve import (
+    add_arguments,
+    checks,
+    loadgen,
+    plan,
+    report,
+    results,
+    summary,
+)
+from kvpush.services.bench.serve.loadgen import RequestResult
+from kvpush.services.gateway.metrics import GatewayMetrics
 
 FIRST_DELAY_S = 0.05
 GAP_S = 0.01
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -29,6 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body["prompt"][0] == 13:  # the scripted failure
         return web.json_response({"error": {"message": "boom"}}, status=500)
     assert body["stream"] and body["ignore_eos"] and body["stream_options"]["include_usage"]
+    assert body["stream_options"]["continuous_usage_stats"] is False
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     await asyncio.sleep(FIRST_DELAY_S)
@@ -40,8 +55,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if i == n - 1:
             chunk["choices"][0]["finish_reason"] = "length"
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-    usage = {"id": "x", "choices": [], "usage": {"completion_tokens": n, "prompt_tokens": 4}}
-    await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+    usage: dict[str, Any] = {"completion_tokens": n, "prompt_tokens": len(body["prompt"])}
+    if "cached" in body:  # an extra field of the test: report it as D's cached tokens
+        usage["prompt_tokens_details"] = {"cached_tokens": body["cached"]}
+    final = {"id": "x", "choices": [], "usage": usage}
+    await response.write(b"data: " + json.dumps(final).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     return response
 
@@ -59,27 +77,39 @@ async def server() -> AsyncIterator[str]:
     await runner.cleanup()
 
 
+# -- load generator ----------------------------------------------------------------------------
+
+
 async def test_a_concurrency_point_measures_what_the_server_scripted(server: str) -> None:
     point = loadgen.LoadPoint("random", 4, 6, concurrency=2, output_len=5)
     prompts = [[10 + (i == 3) * 3, i, 0, 0] for i in range(6)]  # request 3 fails (token 13)
     done: list[int] = []
-    results, wall = await loadgen.run_point(
+    found, wall = await loadgen.run_point(
         server, "m", point, prompts, progress=lambda: done.append(1)
     )
     assert len(done) == 6
-    summary = loadgen.summarize(results, wall)
-    assert summary["completed"] == 5 and summary["errors"] == 1
-    assert summary["error_samples"][0].startswith("HTTP 500")
-    ok = [r for r in results if r.error is None]
+    summary_ = loadgen.summarize(found, wall)
+    assert summary_["completed"] == 5 and summary_["errors"] == 1
+    assert summary_["error_samples"][0].startswith("HTTP 500")
+    ok = [r for r in found if r.error is None]
     assert [r.request_id for r in ok] == [f"cmpl-{i}" for i in (0, 1, 2, 4, 5)]
     for r in ok:
-        assert r.output_tokens == 5 and len(r.itl_s) == 4
-        assert FIRST_DELAY_S <= r.ttft_s < FIRST_DELAY_S + 0.5
-        assert all(GAP_S * 0.9 <= gap < GAP_S + 0.3 for gap in r.itl_s)
-        assert r.e2e_s >= r.ttft_s + 4 * GAP_S * 0.9
-    assert summary["ttft_ms"]["p50"] >= FIRST_DELAY_S * 1e3
-    assert summary["tpot_ms"]["mean"] >= GAP_S * 1e3 * 0.9
-    assert summary["request_throughput"] == pytest.approx(5 / wall, rel=1e-3)
+        assert r.output_tokens == 5 and len(r.itl_s) == 4 and r.prompt_tokens == 4
+        assert r.cached_tokens is None  # the server reported no prompt_tokens_details
+        assert r.ttft_s is not None and r.ttft_s >= FIRST_DELAY_S
+        assert all(gap >= GAP_S * 0.9 for gap in r.itl_s)
+        assert r.e2e_s is not None and r.e2e_s >= r.ttft_s + 4 * GAP_S * 0.9
+    assert summary_["ttft_ms"]["p50"] >= FIRST_DELAY_S * 1e3
+    assert summary_["tpot_ms"]["mean"] >= GAP_S * 1e3 * 0.9
+    assert summary_["request_throughput"] == pytest.approx(5 / wall, rel=1e-3)
+
+
+async def test_extra_fields_reach_the_server_and_cached_tokens_are_recorded(server: str) -> None:
+    point = loadgen.LoadPoint("random", 4, 2, concurrency=1, output_len=2)
+    found, _ = await loadgen.run_point(
+        server, "m", point, [[10, 0, 0, 0], [10, 1, 0, 0]], extra={"cached": 3}
+    )
+    assert [(r.error, r.prompt_tokens, r.cached_tokens) for r in found] == [(None, 4, 3)] * 2
 
 
 async def test_a_poisson_point_sends_on_its_seeded_schedule(server: str) -> None:
@@ -87,10 +117,10 @@ async def test_a_poisson_point_sends_on_its_seeded_schedule(server: str) -> None
     offsets = loadgen.arrival_offsets(point)
     assert offsets == loadgen.arrival_offsets(point) and offsets[0] == 0.0
     assert all(b > a for a, b in itertools.pairwise(offsets))
-    results, _ = await loadgen.run_point(server, "m", point, [[10, i, 0, 0] for i in range(8)])
-    for result, offset in zip(results, offsets, strict=True):
+    found, _ = await loadgen.run_point(server, "m", point, [[10, i, 0, 0] for i in range(8)])
+    for result, offset in zip(found, offsets, strict=True):
         assert result.error is None
-        assert offset - 0.005 <= result.sent_at < offset + 0.25
+        assert result.sent_at >= offset - 0.005  # never early; how late is the box's business
 
 
 def test_prompts_are_exact_length_and_deterministic(tmp_path: Path) -> None:
@@ -102,42 +132,382 @@ def test_prompts_are_exact_length_and_deterministic(tmp_path: Path) -> None:
         loadgen.make_prompts("poems", 64, 1, 0, tmp_path, 1000)
 
 
-def _point(system: str, label: str, load: float, p50: float, p99: float) -> dict[str, Any]:
-    stats = {"mean": p50 * 1.1, "p50": p50, "p99": p99}
+# -- plan: tables, points, seeds ---------------------------------------------------------------
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _seeds(the_plan: plan.Plan, capacity: float = 4.0) -> dict[tuple[str, str, int], int]:
+    found = {}
+    for repeat in range(the_plan.repeats):
+        for table in the_plan.tables:
+            rates = (
+                plan.auto_rates(capacity)
+                if the_plan.qps == "auto"
+                else plan.fixed_rates(the_plan.qps)
+            )
+            for spec in plan.points(the_plan, table, rates, repeat):
+                found[(table.key, spec.point_id, repeat)] = spec.seed
+    return found
+
+
+def test_seeds_do_not_depend_on_the_subset_of_systems_tables_or_points() -> None:
+    full = plan.from_args(_args())
+    assert [t.key for t in full.tables] == [
+        "random:512",
+        "random:1024",
+        "random:2048",
+        "sonnet:2048",
+    ]
+    assert full.repeats == 3 and full.systems[0] == "kvpush-push"
+    small = plan.from_args(
+        _args("--systems", "vllm-push", "--tables", "sonnet:2048", "--concurrency", "4")
+    )
+    every, some = _seeds(full), _seeds(small, capacity=9.0)  # another probe: same ids
+    assert set(some) <= set(every) and len(some) == 3 * 6
+    assert all(every[key] == seed for key, seed in some.items())
+    assert len(set(every.values())) == len(every)  # every point and repeat its own prompts
+    # stable across processes and Python versions (no salted hash()):
+    assert plan.point_seed("random", 2048, "0.9x", 0) == 9059711255653992606
+
+
+def test_tables_option_and_its_cross_product_form() -> None:
+    crossed = plan.from_args(_args("--datasets", "random,sonnet", "--input-lens", "512,2048"))
+    assert [t.key for t in crossed.tables] == [
+        "random:512",
+        "random:2048",
+        "sonnet:512",
+        "sonnet:2048",
+    ]
+    assert plan.from_args(_args("--input-lens", "1024")).tables == (plan.Table("random", 1024),)
+    quick = plan.from_args(_args("--quick", "--repeats", "2"))
+    assert quick.tables == (plan.Table("random", 512),) and quick.repeats == 2
+    assert plan.from_args(_args("--quick")).repeats == 1
+    for bad in (("--tables", "poems:512"), ("--tables", "random"), ("--repeats", "0")):
+        with pytest.raises(SystemExit):
+            plan.from_args(_args(*bad))
+    with pytest.raises(SystemExit, match="not both"):
+        plan.from_args(_args("--tables", "random:512", "--input-lens", "512"))
+
+
+def test_repeats_rotate_the_system_order() -> None:
+    the_plan = plan.from_args(_args("--systems", "kvpush-push,vllm-pull,aggregated"))
+    assert [the_plan.system_order(r) for r in range(3)] == [
+        ["kvpush-push", "vllm-pull", "aggregated"],
+        ["vllm-pull", "aggregated", "kvpush-push"],
+        ["aggregated", "kvpush-push", "vllm-pull"],
+    ]
+
+
+# -- transfer checks ---------------------------------------------------------------------------
+
+
+def _gateway_text(routed: dict[str, int], outcomes: dict[tuple[str, str], int]) -> str:
+    metrics = GatewayMetrics()
+    for mode, n in routed.items():
+        metrics.routed.labels(mode).inc(n)
+    for (mode, outcome), n in outcomes.items():
+        metrics.kv_outcomes.labels(mode, outcome).inc(n)
+    return metrics.render().decode()
+
+
+def test_gateway_check_reads_the_real_metrics_text() -> None:
+    before = checks.gateway_counts(_gateway_text({"push": 2}, {("push", "received"): 2}))
+    assert before == {"routed.push": 2.0, "outcome.push.received": 2.0}
+    good = checks.gateway_counts(_gateway_text({"push": 12}, {("push", "received"): 12}))
+    check = checks.gateway_check(before, good, completed=10, mode="push")
+    assert check.applies and check.ok and check.checked == 10 and check.without_transfer == 0
+
+    fallback = {("push", "received"): 9, ("push", "fallback"): 3}
+    after = checks.gateway_counts(_gateway_text({"push": 12}, fallback))
+    check = checks.gateway_check(before, after, completed=10, mode="push")
+    assert not check.ok and check.without_transfer == 3 and "3 fallback" in check.detail
+
+    local = checks.gateway_counts(
+        _gateway_text({"push": 10, "local": 2}, {("push", "received"): 10})
+    )
+    check = checks.gateway_check(before, local, completed=10, mode="push")
+    assert not check.ok and check.without_transfer == 2 and "local 2" in check.detail
+
+    pulled = checks.gateway_counts(
+        _gateway_text({"push": 2, "pull": 10}, {("push", "received"): 2, ("pull", "received"): 10})
+    )
+    assert not checks.gateway_check(before, pulled, completed=10, mode="push").ok
+    assert checks.gateway_check(before, pulled, completed=10, mode="pull").ok  # its own mode
+    short = checks.gateway_counts(_gateway_text({"push": 12}, {("push", "received"): 11}))
+    check = checks.gateway_check(before, short, completed=10, mode="push")
+    assert not check.ok and check.without_transfer == 1
+
+
+def _served(*cached: int | None, prompt: int = 512) -> list[RequestResult]:
+    return [
+        RequestResult(i, prompt, ttft_s=0.1, e2e_s=0.2, prompt_tokens=prompt, cached_tokens=c)
+        for i, c in enumerate(cached)
+    ]
+
+
+def test_cached_tokens_rule_and_proxy_check() -> None:
+    assert checks.cached_rule(512, 512) and not checks.cached_rule(512, 511)
+    assert not checks.cached_rule(512, 384) and not checks.cached_rule(512, None)
+    stats = {"requests": 5, "no_kv_params": 1, "prefill_failed": 0, "decode_failed": 0}
+    after = {**stats, "requests": 8}
+    check = checks.proxy_check(stats, after, _served(512, 512, 512))
+    assert check.ok and check.checked == 3 and check.without_transfer == 0
+
+    check = checks.proxy_check(stats, after, _served(512, 384, None))
+    assert not check.ok and check.without_transfer == 2
+    assert "1 with D's cached tokens below the prompt (min 384)" in check.detail
+    assert "1 without prompt_tokens_details" in check.detail
+
+    no_kv = {**after, "no_kv_params": 3}
+    check = checks.proxy_check(stats, no_kv, _served(512, 512, 512))
+    assert not check.ok and check.without_transfer == 2 and "2 P answers" in check.detail
+    failed = [*_served(512), RequestResult(1, 512, error="HTTP 502")]
+    assert checks.proxy_check(stats, after, failed).checked == 1
+
+
+async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
+    metrics = GatewayMetrics()
+
+    async def render(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", render)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        probe = checks.PointProbe("gateway", f"http://{host}:{port}", "push")
+        await probe.before()
+        metrics.routed.labels("push").inc(2)
+        metrics.kv_outcomes.labels("push", "received").inc()
+
+        async def last_outcome() -> None:  # the gateway counts it after the last chunk
+            await asyncio.sleep(0.2)
+            metrics.kv_outcomes.labels("push", "received").inc()
+
+        late = asyncio.create_task(last_outcome())
+        check = await probe.after(_served(None, None))
+        await late
+        assert check.ok and check.checked == 2, check
+        assert check.counts == {"outcome.push.received": 2.0, "routed.push": 2.0}
+    finally:
+        await runner.cleanup()
+    unreachable = checks.PointProbe("proxy", f"http://{host}:{port}")
+    await unreachable.before()
+    check = await unreachable.after(_served(512))
+    assert check.applies and not check.ok and "snapshot before" in check.detail
+    none = checks.PointProbe("none", "http://unused")
+    await none.before()
+    assert (await none.after([])).applies is False
+
+
+# -- summary, verdicts and the generated document ---------------------------------------------
+
+
+def _check(ok: bool = True, applies: bool = True, n: int = 10) -> dict[str, Any]:
+    if not applies:
+        return {"applies": False, "ok": True, "detail": "n/a: one engine, no transfer"}
     return {
-        "system": system,
-        "dataset": "random",
-        "input_len": 512,
-        "label": label,
-        "load_kind": "qps",
-        "load": load,
-        "completed": 10,
-        "errors": 0,
-        "request_throughput": load,
-        "ttft_ms": stats,
-        "tpot_ms": {"mean": 5.0, "p50": 5.0, "p99": 6.0},
-        "itl_ms": {"mean": 5.0, "p50": 5.0, "p99": 6.0},
+        "applies": True,
+        "ok": ok,
+        "checked": n,
+        "without_transfer": 0 if ok else 2,
+        "detail": "received 10/10" if ok else "2 fallback (D computed the prompt)",
     }
 
 
-def test_report_ratios_table_and_plot(tmp_path: Path) -> None:
-    points = [
-        _point("kvpush-push", "qps 1", 1.0, 100.0, 200.0),
-        _point("kvpush-push", "qps 2", 2.0, 150.0, 400.0),
-        _point("vllm-pull", "qps 1", 1.0, 180.0, 500.0),
-        _point("vllm-pull", "qps 2", 2.0, 300.0, 1200.0),
+def _point(
+    system: str,
+    point: str,
+    repeat: int,
+    ttft: float,
+    *,
+    input_len: int = 2048,
+    check: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    concurrency = point.startswith("c=")
+    fraction = None if concurrency else float(point.rstrip("x"))
+    return {
+        "system": system,
+        "dataset": "random",
+        "input_len": input_len,
+        "point": point,
+        "label": point if concurrency else f"qps {fraction * 2:g}",
+        "load_kind": "concurrency" if concurrency else "qps",
+        "load": 1.0 if concurrency else fraction * 2,
+        "capacity_fraction": fraction,
+        "repeat": repeat,
+        "requests": 10,
+        "completed": 10,
+        "errors": 0,
+        "request_throughput": 1.0,
+        "output_throughput": 32.0,
+        "ttft_ms": {"mean": ttft, "p50": ttft * 0.9, "p99": ttft * 2},
+        "tpot_ms": {"mean": 10.0, "p50": 10.0, "p99": 12.0},
+        "itl_ms": {"mean": 10.0, "p50": 10.0, "p99": 12.0},
+        "e2e_ms": {"mean": ttft + 310, "p50": ttft + 300, "p99": ttft * 2 + 400},
+        "transfer_check": check or _check(applies=system != "aggregated"),
+    }
+
+
+def _document(points: list[dict[str, Any]]) -> results.Document:
+    meta = {"tables": ["random:2048"], "repeats": 3, "output_len": 32, "argv": ["bench"]}
+    return results.loads(json.dumps({"schema": 2, "meta": meta, "points": points}))
+
+
+def _synthetic() -> results.Document:
+    """kvpush-push wins 2.5x on P99 at 0.9x, loses at 0.75x; vllm-push fails a check in r2."""
+    points = []
+    for repeat, scale in enumerate((1.0, 1.2, 0.9)):
+        for point, ours, pull, push in (("c=1", 500, 700, 800), ("0.75x", 900, 1000, 2000)):
+            points += [
+                _point("kvpush-push", point, repeat, ours * scale),
+                _point("vllm-pull", point, repeat, pull * scale),
+                _point("aggregated", point, repeat, 480 * scale),
+            ]
+            bad = _check(ok=False) if (point, repeat) == ("0.75x", 1) else None
+            points.append(_point("vllm-push", point, repeat, push * scale, check=bad))
+        points += [
+            _point("kvpush-push", "0.9x", repeat, 1000 * scale),
+            _point("vllm-pull", "0.9x", repeat, 2500 * scale),
+            _point("vllm-push", "0.9x", repeat, 3000 * scale),
+            _point("aggregated", "0.9x", repeat, 1100 * scale),
+        ]
+    return _document(points)
+
+
+def test_rows_give_median_and_min_max_over_repeats_and_merge_checks() -> None:
+    rows = {(r.point, r.system): r for r in summary.rows(_synthetic())}
+    ours = rows[("c=1", "kvpush-push")]
+    assert ours.figures["ttft_mean"] == summary.Spread(500.0, 450.0, 600.0, 3)
+    assert ours.runs == 3 and ours.completed == 30 and ours.check.ok
+    assert ours.check.checked == 30
+    assert not rows[("c=1", "aggregated")].check.applies
+    push = rows[("0.75x", "vllm-push")]
+    assert not push.check.ok and push.check.failed_repeats == [2]
+    assert push.check.without_transfer == 2 and push.check.details[0].startswith("r2: 2 fallback")
+    assert [r.point for r in summary.rows(_synthetic())][::4] == ["c=1", "0.75x", "0.9x"]
+    assert summary.spread([3.0, None, 1.0]) == summary.Spread(2.0, 1.0, 3.0, 2)
+
+
+def test_verdicts_from_the_medians_list_every_point() -> None:
+    found = {v.key: v for v in summary.verdicts(summary.rows(_synthetic()))}
+    t1 = found["T1"]  # P99 vs vllm-pull >= 2x at >= 0.75x: 0.75x misses (1.11), 0.9x meets
+    assert t1.verdict == "missed"
+    assert [(p.point, p.value, p.met) for p in t1.points] == [
+        ("0.75x", 1.111, False),
+        ("0.9x", 2.5, True),
     ]
-    document = {"meta": {"output_len": 32}, "points": points, "ratios": report.ratios(points)}
-    rows = {r["label"]: r for r in document["ratios"]}
-    assert rows["qps 1"]["vs"] == "vllm-pull" and rows["qps 1"]["ttft_p99"] == 2.5
-    assert rows["qps 2"]["ttft_p50"] == 2.0 and rows["qps 2"]["ttft_p99"] == 3.0
-    text = report.markdown(document)
-    assert "### random, 512 input tokens, 32 output" in text
-    assert "| vllm-pull | qps 2 | 10/0 | 2.00 | 330.0 | 300.0 | 1200.0 |" in text
-    assert "| random | 512 | qps 2 | vllm-pull | 2.00 | 2.00 | 3.00 | 1.00 |" in text
-    [png] = report.plots(document, tmp_path)
-    assert png.name == "ttft-random-512.png"
+    t3 = found["T3"]  # vs vllm-push >= 1.2x: the 0.75x point's check failed in r2
+    assert t3.verdict == "missed"
+    assert [(p.point, p.met, p.why) for p in t3.points] == [
+        ("c=1", True, ""),
+        ("0.75x", False, "transfer check failed"),
+        ("0.9x", True, ""),
+    ]
+    t4 = found["T4"]  # P50 <= 1.10x aggregated at low load: c=1 only (no 0.25x point here)
+    assert [(p.point, p.value, p.met) for p in t4.points] == [("c=1", 1.042, True)]
+    assert t4.verdict == "met"
+    without_pull = _document(
+        [p for p in msgspec_points(_synthetic()) if p["system"] != "vllm-pull"]
+    )
+    assert {v.key: v.verdict for v in summary.verdicts(summary.rows(without_pull))} == {
+        "T1": "not measured",
+        "T2": "not measured",
+        "T3": "missed",
+        "T4": "met",
+    }
+
+
+def msgspec_points(document: results.Document) -> list[dict[str, Any]]:
+    return json.loads(results.dumps(document))["points"]
+
+
+def test_report_marks_failed_points_and_shows_spreads_ratios_and_verdicts() -> None:
+    text = report.render(_synthetic(), plots_prefix="serve/")
+    assert "| c=1 | kvpush-push | 500 [450–600] | 450 [405–540] | 1000 [900–1200] |" in text
+    assert "| ok (30) |" in text and "| n/a |" in text
+    assert "| qps 1.5 (0.75x) | **vllm-push** |" in text and "**FAILED** (2 of 30)" in text
+    assert "- vllm-push, qps 1.5, r2: 2 fallback (D computed the prompt)" in text
+    assert "| qps 1.8 (0.9x) | vllm-pull | 2.50 | 2.50 | 2.50 | 1.00 |" in text
+    assert "| qps 1.5 (0.75x) | vllm-push † | 2.22 |" in text
+    assert "| T1: P99 TTFT vs vllm-pull >= 2.0x at high QPS, 2k prompts |" in text
+    assert "| TTFT P99 vllm-pull / kvpush-push | **missed** | 1 of 2 |" in text
+    assert "| TTFT P50 kvpush-push / aggregated | **met** | 1 of 1 |" in text
+    assert "**random 2048 qps 1.5 (0.75x): 1.11**; random 2048 qps 1.8 (0.9x): 2.50" in text
+    assert "![TTFT vs QPS, random 2048](serve/ttft-random-2048.png)" in text
+
+
+def test_generated_part_is_spliced_into_prose_and_checked(tmp_path: Path) -> None:
+    data = tmp_path / "serve" / "results.json"
+    data.parent.mkdir()
+    data.write_text(results.dumps(_synthetic()))
+    doc = tmp_path / "serve.md"
+    doc.write_text("# Serving benchmark\n\nProse that explains.\n")
+    assert report.check_doc(doc) is not None  # no generated part yet
+    assert report.write_doc(doc, data) and not report.write_doc(doc, data)
+    text = doc.read_text()
+    assert text.startswith("# Serving benchmark\n\nProse that explains.\n\n<!-- generated by ")
+    assert "from serve/results.json: do not edit -->" in text and "(serve/ttft-random-2048" in text
+    assert report.check_doc(doc) is None and report.check_doc(doc, data) is None
+    doc.write_text(text + "\nMore prose after the tables.\n")
+    assert report.check_doc(doc) is None  # prose outside the markers is free
+    doc.write_text(text.replace("500 [450–600]", "480 [450–600]"))
+    assert "differs" in (report.check_doc(doc) or "")
+    ns = argparse.Namespace(results=str(data), out=str(doc), check=True, plots=False)
+    assert report.main(ns) == 1
+    assert report.main(argparse.Namespace(**{**vars(ns), "check": False})) == 0
+    assert report.main(ns) == 0 and doc.read_text().startswith("# Serving benchmark\n")
+
+
+def test_committed_serve_doc_is_generated_from_its_results() -> None:
+    doc = REPO / "docs" / "benchmarks" / "serve.md"
+    if report.source_of(doc.read_text()) is None:
+        pytest.skip("docs/benchmarks/serve.md has no generated part yet")
+    assert report.check_doc(doc) is None
+
+
+def test_plots_use_the_medians(tmp_path: Path) -> None:
+    [png] = report.plots(_synthetic(), tmp_path)
+    assert png.name == "ttft-random-2048.png"
     with Image.open(png) as image:
         assert image.size[0] >= 1000
         colors = {c for _, c in image.getcolors(1 << 20)}
         assert (214, 39, 40) in colors and (31, 119, 180) in colors  # both systems drawn
+
+
+def test_first_format_documents_still_load() -> None:
+    old = {
+        "meta": {"output_len": 32},
+        "points": [{k: v for k, v in _point("vllm-pull", "c=1", 0, 700).items() if k in OLD}],
+    }
+    document = results.loads(json.dumps(old))
+    [point] = document.points
+    assert point.point == "c=1" and point.repeat == 0 and point.transfer_check is None
+    [row] = summary.rows(document)
+    assert row.check.unchecked_repeats == [1] and not row.check.ok
+
+
+OLD = {
+    "system",
+    "dataset",
+    "input_len",
+    "label",
+    "load_kind",
+    "load",
+    "requests",
+    "completed",
+    "errors",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+}

@@ -11,12 +11,27 @@ aggregated engine on core 0) and the same request trace, and drives it over HTTP
   vllm-push     two vLLM OpenAI servers with NixlPushConnector, both legs sent at once
   aggregated    one vLLM OpenAI server, no disaggregation
 
-Load: Poisson arrivals at a QPS sweep (default: fractions of the prefill capacity measured at
-each input length) and fixed concurrency; input lengths 512/1024/2048; random or sonnet-like
-prompts. Per point: TTFT mean/P50/P99, TPOT, ITL, throughput, errors, and kvpush's TTFT
-breakdown. Writes results.json, results.md and TTFT-vs-QPS plots into --out-dir.
-(Code: systems.py, vllm_systems.py, loadgen.py, run.py, report.py, plot.py; this __init__
-holds only the command line, imported by `kvpush --help`.)
+Tables (--tables): one per dataset and input length, e.g. random:2048 or sonnet:2048; every
+system runs every point of every table in one invocation. Load: Poisson arrivals at a QPS
+sweep (default: fractions of the prefill capacity, probed once per input length and reused for
+every system and repeat) and fixed concurrency. Prompts and arrivals are seeded from (dataset,
+input length, point, repeat): the same for every system, new for every repeat (no prefix-cache
+hits across repeats). --repeats N runs everything N times, interleaved (repeat 1 of every
+system, then repeat 2, ...); reports give the median and [min-max] of each figure.
+
+Every point of a disaggregated system is checked for requests served without a KV transfer,
+and fails (marked in the tables; exit status 1) when it has any: kvpush: the gateway's
+kvpush_gateway_kv_outcomes and kvpush_gateway_routed_requests counters (requests ask for the
+mode explicitly, so the gateway can never fall back to local mode silently); vllm-pull and
+vllm-push: the proxy's no_kv_params count and D's cached prompt tokens (usage.
+prompt_tokens_details), which show a prompt D computed itself. Aggregated: n/a.
+
+Per point: TTFT mean/P50/P99, TPOT, ITL, throughput, errors, the transfer check and kvpush's
+TTFT breakdown. Writes results.json, results.md (what `kvpush bench report` generates) and
+TTFT-vs-QPS plots into --out-dir.
+(Code: plan.py, systems.py, vllm_systems.py, loadgen.py, checks.py, run.py, results.py,
+summary.py, report.py, plot.py; this __init__ holds only the command lines, imported by
+`kvpush --help`.)
 """
 
 from __future__ import annotations
@@ -25,10 +40,7 @@ import argparse
 
 ALL_SYSTEMS = ("kvpush-push", "kvpush-pull", "vllm-pull", "vllm-push", "aggregated")
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"
 
 
 def _ints(text: str) -> list[int]:
@@ -39,26 +51,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--systems", default=",".join(ALL_SYSTEMS), help="comma list (default: all five)")
     add("--model", default="bench", help="model folder, or 'bench' / 'tiny' (built if missing)")
-    add("--input-lens", default="512,1024,2048", type=_ints, help="prompt lengths (tokens)")
-    add("--datasets", default="random", help="random and/or sonnet (comma list)")
+    add(
+        "--tables",
+        default=None,
+        metavar="DATASET:LEN,...",
+        help=f"the tables to measure (default {DEFAULT_TABLES}); DATASET is random or sonnet",
+    )
+    add(
+        "--input-lens",
+        default=None,
+        type=_ints,
+        help="instead of --tables: prompt lengths (tokens), crossed with --datasets "
+        "(default 512,1024,2048)",
+    )
+    add(
+        "--datasets",
+        default=None,
+        help="instead of --tables: random and/or sonnet (comma list, default random)",
+    )
     add("--output-len", default=32, type=int, help="output tokens per request (ignore_eos)")
     add(
         "--qps",
         default="auto",
         help="Poisson rates, comma list, or 'auto': "
         + ", ".join(f"{f:g}" for f in CAPACITY_FRACTIONS)
-        + " x the prefill capacity probed per input length (default auto)",
+        + " x the prefill capacity probed once per input length (default auto)",
     )
     add("--concurrency", default=[1, 4], type=_ints, help="fixed-concurrency points (1,4)")
     add("--duration", default=40.0, type=float, help="seconds of arrivals per QPS point (40)")
     add("--min-requests", default=12, type=int, help="at least this many per point (12)")
-    add("--quick", action="store_true", help="smoke run: 512 tokens, qps 1, c=2, 8 requests")
+    add(
+        "--repeats",
+        default=None,
+        type=int,
+        help="run every point this many times, interleaved across systems (default 3; --quick: 1)",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help="smoke run: random 512 only, qps 1, c=2, 8 requests per point",
+    )
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
     add("--log-dir", default=None, help="systems' logs (default OUT_DIR/logs)")
     add("--json", metavar="OUT", help="also write the JSON document here")
     add(
         "--trace",
         action="store_true",
-        help="kvpush systems also write spans (OUT_DIR/traces/<system>.jsonl): for "
+        help="kvpush systems also write spans (OUT_DIR/traces/<system>-r<repeat>.jsonl): for "
         "`kvpush ttft`, and to measure what tracing costs (compare with a run without)",
     )
+
+
+REPORT_DOC = """\
+kvpush bench report: the tables of a `kvpush bench serve` run, generated from its results.json.
+
+Per table (dataset, input length): every point x every system with TTFT mean/P50/P99, TPOT
+and throughput as the median and [min-max] over the repeats, errors and the transfer check
+(failed points are marked); the ratios other / kvpush-push (of the medians); kvpush's TTFT
+breakdown per point; and the verdicts of the targets (met / missed, from the medians, with
+every point listed).
+
+Without --out the generated part is printed. With --out DOC it goes into DOC between the
+markers `<!-- generated by kvpush bench report from RESULTS: do not edit -->` and
+`<!-- end generated -->` (added at the end of DOC the first time); everything outside the
+markers is left as it is. --check writes nothing and exits 1 when DOC's generated part is not
+what RESULTS generates."""
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("results", metavar="RESULTS.json", help="the results.json of a `kvpush bench serve` run")
+    add("--out", metavar="DOC", help="markdown file whose generated part is written / checked")
+    add("--check", action="store_true", help="with --out: exit 1 if DOC is not current")
+    add("--plots", action="store_true", help="also (re)write the PNG plots next to RESULTS")

@@ -10,9 +10,13 @@ id lists of exactly the input length, the same for every system (same seed):
   own training text generator), tokenized with the model's tokenizer and cut to length: the
   prefix is shared between requests like vLLM's sonnet set, so prefix caches take part.
 
-``run_point`` streams every request (``stream_options.include_usage``) and records, per
-request, TTFT (request sent -> first chunk with a token), the inter-token gaps (ITL), the
-end-to-end time and errors. ``summarize`` turns a point's results into the reported numbers.
+``run_point`` streams every request (``stream_options.include_usage``, no continuous usage)
+and records, per request, TTFT (request sent -> first chunk with a token), the inter-token
+gaps (ITL), the end-to-end time, errors, and from the final usage chunk the prompt tokens and
+``prompt_tokens_details.cached_tokens`` where the server reports them (vLLM with
+``--enable-prompt-tokens-details``; ``checks.py`` reads them). ``extra`` fields go into every
+request body (kvpush systems: ``kvpush_mode``). ``summarize`` turns a point's results into the
+reported numbers.
 
 Threading model: asyncio on the caller's loop; one aiohttp session per point.
 """
@@ -23,7 +27,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,8 @@ class RequestResult:
     output_tokens: int = 0
     request_id: str = ""
     error: str | None = None
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
 
 def make_prompts(
@@ -130,8 +136,8 @@ async def _one(
                     result.error = str(chunk["error"])[:200]
                     return
                 result.request_id = result.request_id or str(chunk.get("id", ""))
-                if chunk.get("usage"):
-                    result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                if usage := chunk.get("usage"):
+                    _read_usage(usage, result)
                 choices = chunk.get("choices") or []
                 if not choices or not (choices[0].get("text") or choices[0].get("finish_reason")):
                     continue
@@ -146,6 +152,15 @@ async def _one(
         result.error = f"{type(exc).__name__}: {exc}"[:200]
 
 
+def _read_usage(usage: dict[str, Any], result: RequestResult) -> None:
+    result.output_tokens = int(usage.get("completion_tokens") or 0)
+    if isinstance(usage.get("prompt_tokens"), int):
+        result.prompt_tokens = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        result.cached_tokens = details["cached_tokens"]
+
+
 async def run_point(
     url: str,
     served_name: str,
@@ -153,6 +168,7 @@ async def run_point(
     prompts: list[list[int]],
     progress: Callable[[], None] | None = None,
     timeout_s: float = 600.0,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send the point's requests; (results in request order, wall seconds of the point)."""
     results = [RequestResult(i, point.input_len) for i in range(point.requests)]
@@ -165,7 +181,8 @@ async def run_point(
             "ignore_eos": True,
             "temperature": 0.0,
             "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+            **(extra or {}),
         }
 
     async def send(i: int, session: aiohttp.ClientSession, origin: float) -> None:

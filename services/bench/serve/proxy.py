@@ -24,7 +24,17 @@ If the P leg fails, the D leg is cut (D aborts its request) and the client gets 
 
 Both modes: one fresh uuid per request as ``X-Request-Id`` on both legs; D's status, content
 type and body bytes are passed through. ``GET /health`` is 200 when P and D both answer
-their ``/health``; ``GET /v1/models`` is D's; ``GET /proxy/stats`` counts legs and failures.
+their ``/health``; ``GET /v1/models`` is D's; ``GET /proxy/stats`` counts legs and failures,
+and ``no_kv_params``: P legs answered 200 without ``kv_transfer_params`` (P kept no blocks for
+D, so D computes the prompt itself); ``kvpush bench serve`` reads it before and after each
+point (``checks.py``).
+
+What D reports as cached prompt tokens must be D's own count: vLLM's P adds
+``remote_prefill_cached_tokens`` (P's prefix-cache hits) to the ``kv_transfer_params`` it
+returns, and a D that receives it reports that number in ``usage.prompt_tokens_details``
+instead of its own (``vllm/v1/engine/output_processor.py``, ``RequestState.from_new_request``).
+Pull mode drops the field before D's leg (push mode's D params never carry it), so D's usage
+shows the tokens it loaded or had cached rather than P's hits; nothing else reads the field.
 
 Threading model: one asyncio loop (aiohttp server + one shared ClientSession without a
 connection limit); nothing blocks the loop.
@@ -55,7 +65,7 @@ class Stats:
     requests: int = 0
     prefill_ok: int = 0
     prefill_failed: int = 0
-    no_kv_params: int = 0  # pull: P answered without kv_transfer_params (D recomputes)
+    no_kv_params: int = 0  # P answered 200 without kv_transfer_params (D recomputes)
     decode_ok: int = 0
     decode_failed: int = 0
 
@@ -141,11 +151,10 @@ class Proxy:
             status, answer = await self._prefill(path, body, headers)
             if status != 200:
                 return web.Response(status=status, body=answer, headers=_json)
-            kv = json.loads(answer).get("kv_transfer_params")
+            kv = _kv_params(answer)
             if kv:
+                kv = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
                 body = {**body, "kv_transfer_params": kv}
-            else:
-                self.stats.no_kv_params += 1
             return await self._stream_decode(request, path, body, headers)
 
         assert self.peer is not None
@@ -219,6 +228,8 @@ class Proxy:
             return 502, json.dumps({"error": f"prefill leg: {exc!r}"}).encode()
         if status == 200:
             self.stats.prefill_ok += 1
+            if not _kv_params(answer):
+                self.stats.no_kv_params += 1
         else:
             self.stats.prefill_failed += 1
         return status, answer
@@ -256,6 +267,15 @@ class Proxy:
 
 
 _json = {"Content-Type": "application/json"}
+
+
+def _kv_params(answer: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of P's answer (None when absent or not JSON)."""
+    try:
+        found = json.loads(answer).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return found if isinstance(found, dict) and found else None
 
 
 def main(argv: list[str] | None = None) -> None:

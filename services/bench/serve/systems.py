@@ -6,8 +6,15 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
 ``stream: true`` and token-id prompts). The load generator only ever talks to that URL.
 
 - ``KvpushSystem``: ``kvpush up`` in push or pull mode (embedded nats-server, gateway, one P,
-  one D, every prompt moved: ``--local-threshold 0``), optionally with ``--trace-file`` so the
-  run also yields kvpush's TTFT breakdown.
+  one D, every prompt moved: ``--local-threshold 0``), optionally with ``--trace-file`` (spans
+  for ``kvpush ttft``). Every request names its mode (``kvpush_mode``, ``request_extra``): the
+  gateway then answers 503 when no prefill worker is alive instead of degrading to local mode
+  (``gateway/routing.py``, ``Router.route``), so a benchmark point cannot silently measure
+  decode computing the prompt.
+
+``transfer`` says how ``checks.py`` verifies that each request's KV was moved: ``gateway``
+(the kvpush gateway's /metrics counters), ``proxy`` (the proxy's ``no_kv_params`` and D's cached
+prompt tokens) or ``none`` (one engine: nothing moves).
 - vLLM's own peers (``vllm_systems.py``): ``vllm-pull`` (NixlConnector + a sequential proxy),
   ``vllm-push`` (NixlPushConnector, both legs at once) and ``aggregated`` (one vLLM server).
 
@@ -27,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -134,10 +141,13 @@ class System:
 
     name: ClassVar[str]
     disaggregated: ClassVar[bool] = True
+    transfer: ClassVar[str] = "none"  # gateway | proxy | none (see the module docstring)
 
     def __init__(self) -> None:
         self.processes: list[Process] = []
         self.trace_file: Path | None = None  # kvpush systems: spans of this run
+        self.run_label = ""  # e.g. "r2": names this start's trace file
+        self.request_extra: dict[str, Any] = {}  # fields added to every request body
 
     async def start(self, ctx: BenchContext) -> str:
         """Start and return the base URL (``http://127.0.0.1:PORT``) once it serves."""
@@ -151,6 +161,11 @@ class System:
 
 class KvpushSystem(System):
     mode: ClassVar[str]
+    transfer = "gateway"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_extra = {"kvpush_mode": self.mode}
 
     async def start(self, ctx: BenchContext) -> str:
         port = free_port()
@@ -158,7 +173,8 @@ class KvpushSystem(System):
         argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
         argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
         if ctx.trace_dir is not None:
-            self.trace_file = ctx.trace_dir / f"{self.name}.jsonl"
+            suffix = f"-{self.run_label}" if self.run_label else ""
+            self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
             self.trace_file.unlink(missing_ok=True)
             argv += ["--trace-file", str(self.trace_file)]
         process = Process(self.name, argv, ctx.log_dir / f"{self.name}.log").start()

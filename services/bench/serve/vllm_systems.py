@@ -25,6 +25,9 @@ sampling defaults           ``--generation-config vllm`` (kvpush builds Sampling
 stats logging               ``--disable-log-stats`` (kvpush: ``disable_log_stats=True``);
                             ``log_stats=True`` turns it on for checks
 access log                  ``--disable-uvicorn-access-log`` (no per-request log line)
+usage                       ``--enable-prompt-tokens-details``: the final usage chunk
+                            carries ``prompt_tokens_details.cached_tokens``, which shows
+                            whether D loaded the prompt's KV or computed it (``checks.py``)
 KV cache                    ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB)
 executor                    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the uni executor, so the
                             model runs in the EngineCore process like kvpush's in-process
@@ -120,6 +123,7 @@ def serve_argv(ctx: BenchContext, spec: ServerSpec, log_stats: bool) -> list[str
     argv += ["--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS)]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--seed", "0"]
     argv += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
+    argv.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens
     if not log_stats:
         argv.append("--disable-log-stats")
     if spec.kv_transfer_config is not None:
@@ -249,6 +253,7 @@ class VllmSystem(System):
 
 class VllmPull(VllmSystem):
     name = "vllm-pull"
+    transfer = "proxy"
     connector: ClassVar[str] = "NixlConnector"
 
     def _pair(self, ctx: BenchContext) -> list[ServerSpec]:

@@ -1,0 +1,119 @@
+"""The results document of ``kvpush bench serve`` (``results.json``), as typed structures.
+
+``run.py`` writes it, ``report.py`` / ``summary.py`` read it (``load``: the JSON decoded and
+checked against these structs). One ``Point`` per (system, table, point, repeat):
+
+- identity: ``system``, ``dataset``, ``input_len``, ``point`` (the seed-giving id: ``0.25x``,
+  ``qps 1.5``, ``c=4``), ``label`` (what tables show: ``qps 1.31``, ``c=4``), ``load_kind``
+  (``qps`` / ``concurrency``), ``load`` (the plots' x), ``capacity_fraction``, ``repeat``
+  (0-based), ``seed``, ``requests``;
+- the numbers of ``loadgen.summarize`` (times in ms): ``completed``, ``errors``, ``ttft_ms``,
+  ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (mean/p50/p99 each), throughputs, ``wall_s``;
+- ``breakdown`` (kvpush systems: per TTFT part mean/p50/p99, from the gateway);
+- ``transfer_check`` (``checks.py``): ``applies`` (false: one engine), ``ok``, ``checked``
+  (requests verified), ``without_transfer`` (requests served without a KV transfer, or not
+  verifiable), ``detail`` and the raw ``counts`` it was computed from.
+
+Next to the points: ``meta`` (date, revision, versions, argv, plan), ``systems`` (per system its
+runs: repeat, ok, start seconds, error), ``capacity`` (per input length: the probed prefill
+capacity and on which system), ``rates_by_len``. ``ratios`` and ``verdicts`` are derived from
+the points when the run ends, for readers of the JSON; ``kvpush bench report`` recomputes them.
+Documents of the first format (no ``point``/``repeat``/``transfer_check``) load too.
+
+Threading model: pure functions and msgspec structs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+SCHEMA = 2
+
+
+class Stats(msgspec.Struct):
+    mean: float | None = None
+    p50: float | None = None
+    p99: float | None = None
+
+
+class TransferCheck(msgspec.Struct, kw_only=True):
+    applies: bool
+    ok: bool
+    checked: int = 0
+    without_transfer: int = 0
+    detail: str = ""
+    counts: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+NOT_APPLICABLE = TransferCheck(applies=False, ok=True, detail="n/a: one engine, no transfer")
+
+
+class Point(msgspec.Struct, kw_only=True):
+    system: str
+    dataset: str
+    input_len: int
+    point: str = ""  # empty in first-format documents: the label is the id there
+    label: str
+    load_kind: str
+    load: float
+    capacity_fraction: float | None = None
+    repeat: int = 0
+    seed: int = 0
+    requests: int
+    start_s: float | None = None
+    completed: int
+    errors: int
+    error_samples: list[str] = msgspec.field(default_factory=list)
+    wall_s: float = 0.0
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0
+    ttft_ms: Stats = msgspec.field(default_factory=Stats)
+    tpot_ms: Stats = msgspec.field(default_factory=Stats)
+    itl_ms: Stats = msgspec.field(default_factory=Stats)
+    e2e_ms: Stats = msgspec.field(default_factory=Stats)
+    breakdown: dict[str, Any] | None = None
+    transfer_check: TransferCheck | None = None
+
+    def __post_init__(self) -> None:
+        if not self.point:
+            self.point = self.label
+
+
+class Capacity(msgspec.Struct, kw_only=True):
+    req_s: float
+    probe_ttft_ms: list[float] = msgspec.field(default_factory=list)
+    probed_on: str = ""
+
+
+class Document(msgspec.Struct, kw_only=True):
+    schema: int = 1
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+    systems: dict[str, Any] = msgspec.field(default_factory=dict)
+    capacity: dict[str, Capacity] = msgspec.field(default_factory=dict)
+    rates_by_len: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    points: list[Point] = msgspec.field(default_factory=list)
+    ratios: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    verdicts: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+def point(row: dict[str, Any]) -> Point:
+    """A point from the plain dict ``run.py`` assembles (type-checked)."""
+    return msgspec.convert(row, Point)
+
+
+def loads(text: str | bytes) -> Document:
+    return msgspec.json.decode(text, type=Document)
+
+
+def load(path: Path) -> Document:
+    return loads(path.read_bytes())
+
+
+def dumps(document: Document) -> str:
+    """Indented JSON (one key per line: diffs of committed results stay readable)."""
+    import json
+
+    return json.dumps(msgspec.to_builtins(document), indent=1) + "\n"
