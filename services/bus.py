@@ -277,11 +277,17 @@ class Bus:
         about 1 run in 40). So first hand the pending buffer to the socket and wait for that
         (``force_flush``), then ping.
         """
-        try:
-            await asyncio.wait_for(self._nc._flush_pending(force_flush=True), timeout_s)
-        except asyncio.TimeoutError:
-            raise nats.errors.FlushTimeoutError from None
-        await self._nc.flush(timeout=timeout_s)
+        # One deadline for both steps. ``_flush_pending`` (private; nats-py 2.16.0 is pinned)
+        # swallows a cancellation and returns as if done, so asyncio.wait_for could not tell a
+        # timeout: time it with asyncio.wait, and cancel it only once it is late.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        handed = asyncio.ensure_future(self._nc._flush_pending(force_flush=True))
+        done, _ = await asyncio.wait({handed}, timeout=timeout_s)
+        if not done:
+            handed.cancel()
+            raise nats.errors.FlushTimeoutError
+        await self._nc.flush(timeout=max(deadline - loop.time(), 0.001))
 
     async def drain(self) -> None:
         """Stop receiving, deliver what is pending, flush publishes, close."""

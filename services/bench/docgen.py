@@ -10,7 +10,8 @@ markdown)::
 ``splice`` replaces what lies between the markers of ``NAME`` (appending the section when the
 doc has none yet); ``update`` writes the doc, or with ``check`` only compares, so a unit test
 can prove that the committed tables are exactly what the committed JSON generates.
-``revision`` stamps a run with the commit it ran on.
+``publish`` is what a ``--report`` command does with a generated body; ``table`` renders a
+markdown table; ``revision`` and ``stamp`` stamp a run with the code it ran and its date.
 
 Threading model: plain functions, no state.
 """
@@ -19,18 +20,36 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
 def revision() -> str:
-    """The checkout's short commit (``-`` outside git), to stamp a run's JSON with."""
+    """The checkout's short commit, ``-dirty`` when tracked files differ from it (``-`` outside
+    git), to stamp a run with the code it ran."""
     try:
         found = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         return "-"
     return found.stdout.strip() or "-"
+
+
+def stamp() -> str:
+    """Now, as runs are dated in their JSON (UTC, to the minute)."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table (cells as given, ``str()`` of each)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class DocOutOfDate(RuntimeError):
@@ -54,7 +73,7 @@ def splice(text: str, name: str, body: str, command: str) -> str:
     )
     if pattern.search(text):
         return pattern.sub(lambda _: section, text, count=1)
-    return f"{text.rstrip()}\n\n{section}\n"
+    return f"{text.rstrip()}\n\n{section}\n" if text.strip() else f"{section}\n"
 
 
 def section(text: str, name: str) -> str | None:
@@ -69,15 +88,34 @@ def section(text: str, name: str) -> str | None:
 
 
 def update(path: Path, name: str, body: str, command: str, check: bool = False) -> bool:
-    """Write ``body`` into ``path``'s section ``name``; True if the file changed (or, with
-    ``check``, would change: then raise ``DocOutOfDate`` instead of writing)."""
+    """Write ``body`` into ``path``'s section ``name``; True if the file changed. With
+    ``check``: write nothing, raise ``DocOutOfDate`` if the section's body differs (the command
+    in its marker may name other paths: it is not compared)."""
     old = path.read_text() if path.exists() else ""
+    if check:
+        if section(old, name) != body.strip():
+            raise DocOutOfDate(
+                f"{path}: section {name!r} is not what its data generates; run `{command}`"
+            )
+        return False
     new = splice(old, name, body, command)
     if new == old:
         return False
-    if check:
-        raise DocOutOfDate(
-            f"{path}: section {name!r} is not what its data generates; run `{command}`"
-        )
     path.write_text(new)
     return True
+
+
+def publish(body: str, doc: str | None, name: str, command: str, check: bool = False) -> int:
+    """What a ``--report ... [--doc FILE] [--check]`` command does with a generated ``body``:
+    print it (no ``doc``), or write it into ``doc``'s section ``name``, or only check it; the
+    command's exit code (1: ``check`` found the doc out of date)."""
+    if not doc:
+        print(body)
+        return 0
+    try:
+        changed = update(Path(doc), name, body, command, check)
+    except DocOutOfDate as exc:
+        print(exc)
+        return 1
+    print(f"{doc}: {'updated' if changed else 'up to date'}")
+    return 0

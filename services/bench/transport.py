@@ -395,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
                 "repeats": args.repeats,
             }
             meta = {
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "date": docgen.stamp(),
                 "kvpush_rev": docgen.revision(),
                 "repeats": args.repeats,
                 "elapsed_s": round(elapsed_s, 1),

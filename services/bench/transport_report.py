@@ -47,26 +47,29 @@ REPORT_COMMAND = (
 )
 
 
-def _markdown(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def table(cases: Sequence[dict[str, Any]]) -> str:
     """One run's cases, every column."""
     rows = []
     for case in cases:
         values = {**case, "mib": case["kv_bytes"] / 2**20}
         rows.append([f.format(**values) for _, f in COLUMNS])
-    return _markdown([h for h, _ in COLUMNS], rows)
+    return docgen.table([h for h, _ in COLUMNS], rows)
+
+
+SETTINGS = ("error_mode", "descriptors", "repeats")  # what runs must share to be summarised
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
-    """Every ``run-*.json`` of ``folder``, in name order."""
+    """Every ``run-*.json`` of ``folder``, in name order; they must be runs of the same cases
+    with the same settings (else ``ValueError``: a summary over them would mix two things)."""
     runs = [json.loads(path.read_text()) for path in sorted(folder.glob("run-*.json"))]
     if not runs:
         raise FileNotFoundError(f"no run-*.json in {folder}")
+    shapes = {
+        tuple((c["tokens"], *(c.get(k) for k in SETTINGS)) for c in run["cases"]) for run in runs
+    }
+    if len(shapes) > 1:
+        raise ValueError(f"{folder}: the runs differ in cases or settings {SETTINGS}: {shapes}")
     return runs
 
 
@@ -99,7 +102,7 @@ def summary(runs: Sequence[dict[str, Any]]) -> str:
             values = [c[num] / c[den] for c in cases]
             row.append(f"{min(values):.3f}-{max(values):.3f}")
         ratio_rows.append(row)
-    ratios = _markdown(["tokens", *(h for h, _, _ in RATIOS)], ratio_rows)
+    ratios = docgen.table(["tokens", *(h for h, _, _ in RATIOS)], ratio_rows)
     run_rows = []
     for i, run in enumerate(runs, 1):
         meta = run.get("meta", {})
@@ -110,11 +113,13 @@ def summary(runs: Sequence[dict[str, Any]]) -> str:
                 str(meta.get("date", "-")),
                 str(meta.get("kvpush_rev", "-")),
                 str(meta.get("repeats", run["cases"][0].get("repeats", "-"))),
+                str(meta.get("elapsed_s", "-")),
                 f"{meta['load_avg']:.2f}" if "load_avg" in meta else "-",
                 push_vs_raw,
             ]
         )
-    listing = _markdown(["run", "date", "rev", "repeats", "load", "push/raw per case"], run_rows)
+    headers = ["run", "date", "rev", "repeats", "seconds", "load", "push/raw per case"]
+    listing = docgen.table(headers, run_rows)
     return (
         f"Median over {len(runs)} runs (each cell: the median of the runs' medians):\n\n"
         f"{medians}\n\nRatios, min-max over the {len(runs)} runs:\n\n{ratios}\n\n"
@@ -124,14 +129,4 @@ def summary(runs: Sequence[dict[str, Any]]) -> str:
 
 def report(folder: Path, doc: str | None, check: bool) -> int:
     """``--report``: print the summary of ``folder``'s runs, or write/check it in ``doc``."""
-    body = summary(load_runs(folder))
-    if not doc:
-        print(body)
-        return 0
-    try:
-        changed = docgen.update(Path(doc), "transport", body, REPORT_COMMAND, check)
-    except docgen.DocOutOfDate as exc:
-        print(exc)
-        return 1
-    print(f"{doc}: {'updated' if changed else 'up to date'}")
-    return 0
+    return docgen.publish(summary(load_runs(folder)), doc, "transport", REPORT_COMMAND, check)

@@ -29,7 +29,6 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.services.gateway.app import Gateway, GatewayConfig
 from tests.integration.worker_proc import Observer
@@ -100,19 +99,19 @@ class UpStack:
     def client(self, **kwargs: Any) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kwargs)
 
-    async def kv_outcomes(self) -> Counter[tuple[str, str]]:
-        """The gateway's ``kvpush_gateway_kv_outcomes`` so far, by (mode, outcome): what D did
-        with each push/pull request (received: the KV came from P; fallback: D computed it)."""
-        async with aiohttp.ClientSession() as http, http.get(f"{self.url}/metrics") as resp:
-            text = await resp.text()
-        found: Counter[tuple[str, str]] = Counter()
-        for family in text_string_to_metric_families(text):
-            if family.name == "kvpush_gateway_kv_outcomes":
-                for sample in family.samples:
-                    if sample.name.endswith("_total"):
-                        labels = sample.labels
-                        found[labels["mode"], labels["outcome"]] += int(sample.value)
-        return found
+    async def kv_outcomes(self, response_ids: list[str]) -> Counter[tuple[str, str]]:
+        """(mode, kv outcome) of these responses, as the gateway recorded each request when it
+        ended (``/dashboard/data``; just after its last byte, so wait until all are there):
+        ``received`` (the KV came from P) or ``fallback`` (D computed the prompt itself)."""
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as http:
+            while True:
+                async with http.get(f"{self.url}/dashboard/data") as resp:
+                    rows = {r["request_id"]: r for r in (await resp.json())["requests"]}
+                if all(rid in rows for rid in response_ids):
+                    return Counter((rows[r]["mode"], rows[r]["kv"]) for r in response_ids)
+                assert time.monotonic() < deadline, f"not all of {response_ids} were recorded"
+                await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="session")

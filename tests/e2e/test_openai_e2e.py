@@ -54,18 +54,19 @@ async def complete(client: openai.AsyncOpenAI, prompt: Any, mode: str, **kw: Any
     return await client.completions.create(prompt=prompt, **greedy(mode, **kw))
 
 
-async def streamed(stream: Any) -> tuple[str, list[str | None], Any]:
-    """The text of a stream, every chunk's finish_reason, and the usage it ended with."""
-    texts, finishes, usage = [], [], None
+async def streamed(stream: Any) -> tuple[str, list[str | None], Any, str]:
+    """The text of a stream, every chunk's finish_reason, the usage it ended with, its id."""
+    texts, finishes, usage, response_id = [], [], None, ""
     async for chunk in stream:
         usage = chunk.usage or usage
+        response_id = response_id or chunk.id
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
         delta = getattr(choice, "delta", None)
         texts.append((delta.content if delta is not None else choice.text) or "")
         finishes.append(choice.finish_reason)
-    return "".join(texts), finishes, usage
+    return "".join(texts), finishes, usage, response_id
 
 
 async def assert_serving(stack: UpStack) -> None:
@@ -74,17 +75,11 @@ async def assert_serving(stack: UpStack) -> None:
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
 
 
-async def assert_kv_received(
-    stack: UpStack, before: Counter[tuple[str, str]], expected: Counter[tuple[str, str]]
-) -> None:
-    """Since ``before``, exactly ``expected`` push/pull requests, by (mode, "received"): D got
-    each one's KV from P, none fell back to computing the prompt itself. (The gateway counts a
-    request just after its last byte: wait until every one is counted, then compare.)"""
-    deadline = time.monotonic() + 30
-    while sum(((await stack.kv_outcomes()) - before).values()) < sum(expected.values()):
-        assert time.monotonic() < deadline, "requests not counted"
-        await asyncio.sleep(0.05)
-    assert (await stack.kv_outcomes()) - before == expected
+async def assert_kv_received(stack: UpStack, moved: list[tuple[str, str]]) -> None:
+    """Each (response id, mode) was served with KV that D got from P: the gateway recorded it
+    as "received" in that mode, not as a fallback to D computing the prompt itself."""
+    expected = Counter((mode, "received") for _, mode in moved)
+    assert await stack.kv_outcomes([rid for rid, _ in moved]) == expected
 
 
 def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
@@ -99,10 +94,11 @@ async def test_completions_equal_the_aggregated_answer_streamed_or_not(
     up_stack: UpStack, mode: str
 ) -> None:
     client = up_stack.client()
-    before = await up_stack.kv_outcomes()
+    moved = []
     for prompt in PROMPTS:
         ref = await complete(client, prompt, "local")
         got = await complete(client, prompt, mode)
+        moved.append((got.id, mode))
         assert got.choices[0].text == ref.choices[0].text != ""
         assert got.choices[0].finish_reason == "length"
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
@@ -112,11 +108,12 @@ async def test_completions_equal_the_aggregated_answer_streamed_or_not(
         stream = await client.completions.create(
             prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy(mode)
         )
-        text, finishes, usage = await streamed(stream)
+        text, finishes, usage, response_id = await streamed(stream)
+        moved.append((response_id, mode))
         assert text == ref.choices[0].text
         assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
         assert usage is not None and usage.completion_tokens == 16
-    await assert_kv_received(up_stack, before, Counter({(mode, "received"): 2 * len(PROMPTS)}))
+    await assert_kv_received(up_stack, moved)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -124,10 +121,11 @@ async def test_chat_equals_the_aggregated_answer_streamed_or_not(
     up_stack: UpStack, mode: str
 ) -> None:
     client = up_stack.client()
-    before = await up_stack.kv_outcomes()
+    moved = []
     for messages in MESSAGES:
         ref = await client.chat.completions.create(messages=messages, **greedy("local"))
         got = await client.chat.completions.create(messages=messages, **greedy(mode))
+        moved.append((got.id, mode))
         answer = ref.choices[0].message.content
         assert got.choices[0].message.content == answer != ""
         assert got.choices[0].message.role == "assistant"
@@ -135,9 +133,10 @@ async def test_chat_equals_the_aggregated_answer_streamed_or_not(
         stream = await client.chat.completions.create(
             messages=messages, stream=True, **greedy(mode)
         )
-        text, finishes, _ = await streamed(stream)
+        text, finishes, _, response_id = await streamed(stream)
+        moved.append((response_id, mode))
         assert text == answer and finishes[-1] == "length"
-    await assert_kv_received(up_stack, before, Counter({(mode, "received"): 2 * len(MESSAGES)}))
+    await assert_kv_received(up_stack, moved)
 
 
 async def test_a_long_prompt_moved_by_push_and_pull_gives_the_aggregated_answer(
@@ -149,11 +148,10 @@ async def test_a_long_prompt_moved_by_push_and_pull_gives_the_aggregated_answer(
     ids = [rng.randrange(10, 2000) for _ in range(300)]
     ref = await complete(client, ids, "local", max_tokens=24)
     for mode in ("push", "pull"):
-        before = await up_stack.kv_outcomes()
         got = await complete(client, ids, mode, max_tokens=24)
         assert got.choices[0].text == ref.choices[0].text != ""
         assert got.usage.prompt_tokens == 300
-        await assert_kv_received(up_stack, before, Counter({(mode, "received"): 1}))
+        await assert_kv_received(up_stack, [(got.id, mode)])
 
 
 async def test_twenty_concurrent_requests_are_all_correct(
@@ -163,18 +161,22 @@ async def test_twenty_concurrent_requests_are_all_correct(
     prompts = [" ".join(str(rng.randrange(10**6)) for _ in range(8)) for _ in range(20)]
     refs = [(await complete(client, p, "local")).choices[0].text for p in prompts]
 
+    moved: list[tuple[str, str]] = []
+
     async def one(i: int, prompt: str) -> str:
         mode = "push" if i % 3 else "pull"
         if i % 2:
-            return (await complete(client, prompt, mode)).choices[0].text
+            got = await complete(client, prompt, mode)
+            moved.append((got.id, mode))
+            return got.choices[0].text
         stream = await client.completions.create(prompt=prompt, stream=True, **greedy(mode))
-        return (await streamed(stream))[0]
+        text, _, _, response_id = await streamed(stream)
+        moved.append((response_id, mode))
+        return text
 
-    before = await up_stack.kv_outcomes()
     answers = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     assert answers == refs
-    modes = Counter(("push" if i % 3 else "pull", "received") for i in range(len(prompts)))
-    await assert_kv_received(up_stack, before, modes)
+    await assert_kv_received(up_stack, moved)
 
 
 # ---- errors ---------------------------------------------------------------------------------

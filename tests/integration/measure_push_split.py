@@ -12,7 +12,11 @@ Every instant is on one clock (``time.monotonic``, shared by the processes of on
 counted from the moment both legs were sent. Also measures D alone (aggregated: one engine
 computes prompt + first token). ``--json`` keeps every repeat's instants; ``--report`` makes the
 table (medians per event, and per repeat the order of P's finished output and its bus event)
-that docs/connector.md carries in a generated section.
+that docs/connector.md carries in a generated section (``kvpush.services.bench.
+push_split_report``).
+
+Threading model: the main thread drives the engines (child processes) one request at a time;
+the bus observer runs its own asyncio loop on a daemon thread and only writes its dicts.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import tempfile
 import threading
@@ -32,7 +35,7 @@ from typing import Any
 
 from kvpush.schemas import KvPushed, subjects
 from kvpush.services import models
-from kvpush.services.bench import docgen
+from kvpush.services.bench import docgen, push_split_report
 from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config
@@ -49,6 +52,8 @@ class Observer:
 
         async def run() -> None:
             bus = await Bus.connect(BusConfig(url=url, name="observer"))
+            self._stop = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
 
             async def on(subject: str, message: Any) -> None:
                 self.seen[(type(message).__name__, message.transfer_id)] = time.monotonic()
@@ -59,89 +64,25 @@ class Observer:
             await bus.subscribe(subjects.kv_events(DECODE_ID), on)
             await bus.flush()
             ready.set()
-            while True:
-                await asyncio.sleep(3600)
+            await self._stop.wait()
+            await bus.close()
 
-        threading.Thread(target=lambda: asyncio.run(run()), daemon=True).start()
+        self._thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+        self._thread.start()
         assert ready.wait(10)
 
+    def instant(self, kind: str, transfer_id: str, timeout_s: float = 30.0) -> float:
+        """When ``kind`` of the transfer was seen (it may arrive just after the engines' reply)."""
+        deadline = time.monotonic() + timeout_s
+        while (kind, transfer_id) not in self.seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind} for {transfer_id} on the bus")
+            time.sleep(0.005)
+        return self.seen[(kind, transfer_id)]
 
-EVENTS = {  # mode -> (event key, row label) in path order
-    "push": (
-        ("announced", "D's announcement on the bus"),
-        ("prefill_finished", "P's prefill output finished"),
-        ("bus_event", "KvPushed on the bus"),
-        ("first_token", "D's first token (TTFT)"),
-    ),
-    "pull": (
-        ("prefill_finished", "P's prefill output finished"),
-        ("bus_event", "KvReady on the bus"),
-        ("first_token", "D's first token (TTFT)"),
-    ),
-    "aggregated": (("first_token", "D's first token (TTFT)"),),
-}
-REPORT_COMMAND = (
-    "python -m tests.integration.measure_push_split --report docs/benchmarks/push-split.json "
-    "--doc docs/connector.md"
-)
-
-
-def table(document: dict[str, Any]) -> str:
-    """Medians (ms from both legs sent) per event and mode; the push tail; and how often P's
-    bus event (KvPushed / KvReady) came before P's finished output in the same repeat."""
-    runs = document["repeats"]
-
-    def median(mode: str, key: str) -> str:
-        values = [r["events_ms"][key] for r in runs if r["mode"] == mode and key in r["events_ms"]]
-        return f"{statistics.median(values):.1f}" if values else "-"
-
-    labels = {label: key for events in EVENTS.values() for key, label in events}
-    lines = ["| event | push | pull | aggregated (one engine) |", "|---|---|---|---|"]
-    for label, key in labels.items():
-        cells = [median(mode, key) if (key, label) in EVENTS[mode] else "-" for mode in EVENTS]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    tails = [r["last_layer_write_ms"] for r in runs if r.get("last_layer_write_ms") is not None]
-    lines.append(
-        "| last layer's WRITE (posted -> done) | "
-        + (f"{statistics.median(tails):.2f}" if tails else "-")
-        + " | - | - |"
-    )
-    order = ["", "Per repeat, P's bus event against P's finished output (ms, event - output):", ""]
-    order += ["| mode | repeats | event first | median difference | min | max |"]
-    order += ["|---|---|---|---|---|---|"]
-    for mode in ("push", "pull"):
-        diffs = [
-            r["events_ms"]["bus_event"] - r["events_ms"]["prefill_finished"]
-            for r in runs
-            if r["mode"] == mode
-        ]
-        if diffs:
-            early = sum(d < 0 for d in diffs)
-            order.append(
-                f"| {mode} | {len(diffs)} | {early} | {statistics.median(diffs):.1f} | "
-                f"{min(diffs):.1f} | {max(diffs):.1f} |"
-            )
-    meta = document["meta"]
-    caption = (
-        f"Bench model, {meta['tokens']}-token prompts, {meta['repeats']} repeats per mode "
-        f"({meta['date']}, commit {meta['kvpush_rev']}); ms from the moment both legs were sent, "
-        "median over the repeats ([data](benchmarks/push-split.json)):"
-    )
-    return "\n".join([caption, "", *lines, *order])
-
-
-def report(path: Path, doc: str | None, check: bool) -> int:
-    body = table(json.loads(path.read_text()))
-    if not doc:
-        print(body)
-        return 0
-    try:
-        changed = docgen.update(Path(doc), "push-split", body, REPORT_COMMAND, check)
-    except docgen.DocOutOfDate as exc:
-        print(exc)
-        return 1
-    print(f"{doc}: {'updated' if changed else 'up to date'}")
-    return 0
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
 
 
 def _request(rid: str, ids: list[int], max_tokens: int, kv: Any = None) -> dict[str, Any]:
@@ -164,33 +105,46 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="with --doc: only compare")
     args = parser.parse_args()
     if args.report:
-        return report(Path(args.report), args.doc, args.check)
-    work = Path(tempfile.mkdtemp(prefix="kvpush-split-"))
+        return push_split_report.report(Path(args.report), args.doc, args.check)
+    with tempfile.TemporaryDirectory(prefix="kvpush-split-") as work, EmbeddedNats() as nats:
+        repeats = _measure(Path(work), nats.url, args.tokens, args.repeats)
+    meta = {
+        "date": docgen.stamp(),
+        "kvpush_rev": docgen.revision(),
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "model": models.BENCH.name,
+    }
+    document = {"meta": meta, "repeats": repeats}
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    print(push_split_report.table(document))
+    return 0
+
+
+def _measure(work: Path, url: str, tokens: int, repeat_count: int) -> list[dict[str, Any]]:
+    """Every repeat's instants (push and pull), then D alone; engines and observer closed."""
     model = models.build_model(models.BENCH, work / "bench")
-    nats = EmbeddedNats()
-    url = nats.start()
-    engines = [
-        start_engine(
-            name,
-            model,
-            cores,
-            work,
-            max_model_len=4096,
-            kv_transfer_config=connector_config(role, worker_id, url),
-        )
+    engines: list[Any] = []
+    observer: Observer | None = None
+    repeats: list[dict[str, Any]] = []
+    try:
         for name, cores, role, worker_id in (
             ("P", P_CORES, "prefill", PREFILL_ID),
             ("D", D_CORES, "decode", DECODE_ID),
-        )
-    ]
-    prefill, decode = engines
-    observer = Observer(url)
-    rng = random.Random(0)
-    repeats: list[dict[str, Any]] = []
-    try:
+        ):
+            config = connector_config(role, worker_id, url)
+            engines.append(
+                start_engine(
+                    name, model, cores, work, max_model_len=4096, kv_transfer_config=config
+                )
+            )
+        prefill, decode = engines
+        observer = Observer(url)
+        rng = random.Random(0)
         for mode in ("push", "pull"):
-            for i in range(args.repeats + 1):  # the first round warms both engines up
-                ids = [rng.randrange(10, 8000) for _ in range(args.tokens)]
+            for i in range(repeat_count + 1):  # the first round warms both engines up
+                ids = [rng.randrange(10, 8000) for _ in range(tokens)]
                 tid = f"tx-{uuid.uuid4().hex[:16]}"
                 kv = {"kvpush": {"transfer_id": tid, "prefill_id": PREFILL_ID,
                                  "decode_id": DECODE_ID, "mode": mode}}  # fmt: skip
@@ -206,39 +160,29 @@ def main() -> int:
                 kind = "KvPushed" if mode == "push" else "KvReady"
                 events = {
                     "prefill_finished": p_out["submitted_at"] + p_out["total_s"] - t0,
-                    "bus_event": observer.seen[(kind, tid)] - t0,
+                    "bus_event": observer.instant(kind, tid) - t0,
                     "first_token": d_out["submitted_at"] + d_out["first_output_s"] - t0,
                 }
                 row: dict[str, Any] = {"mode": mode, "last_layer_write_ms": None}
                 if mode == "push":
-                    events["announced"] = observer.seen[("BlocksAnnounced", tid)] - t0
+                    events["announced"] = observer.instant("BlocksAnnounced", tid) - t0
                     layers = observer.pushed[tid].layers
                     if layers:
                         row["last_layer_write_ms"] = layers[-1].done_ms - layers[-1].posted_ms
                 row["events_ms"] = {k: round(v * 1000, 3) for k, v in events.items()}
                 repeats.append(row)
-            for i in range(args.repeats + 1):
-                ids = [rng.randrange(10, 8000) for _ in range(args.tokens)]
+            for i in range(repeat_count + 1):
+                ids = [rng.randrange(10, 8000) for _ in range(tokens)]
                 (out,) = decode.generate([_request(f"agg-{mode}-{i}", ids, 2)])
                 if i:
                     first_ms = round(out["first_output_s"] * 1000, 3)
                     repeats.append({"mode": "aggregated", "events_ms": {"first_token": first_ms}})
     finally:
+        if observer is not None:
+            observer.close()
         for engine in engines:
             engine.stop()
-        nats.stop()
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "kvpush_rev": docgen.revision(),
-        "tokens": args.tokens,
-        "repeats": args.repeats,
-        "model": models.BENCH.name,
-    }
-    document = {"meta": meta, "repeats": repeats}
-    if args.json:
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
-    print(table(document))
-    return 0
+    return repeats
 
 
 if __name__ == "__main__":

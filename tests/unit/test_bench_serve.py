@@ -32,6 +32,7 @@ from kvpush.services.bench.serve import (
 )
 from kvpush.services.bench.serve.loadgen import RequestResult
 from kvpush.services.gateway.metrics import GatewayMetrics
+from tests.http_server import serving
 
 FIRST_DELAY_S = 0.05
 GAP_S = 0.01
@@ -68,13 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def server() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    async with serving(app) as base_url:
+        yield base_url
 
 
 # -- load generator ----------------------------------------------------------------------------
@@ -241,6 +237,8 @@ def test_gateway_check_reads_the_real_metrics_text() -> None:
     short = checks.gateway_counts(_gateway_text({"push": 12}, {("push", "received"): 11}))
     check = checks.gateway_check(before, short, completed=10, mode="push")
     assert not check.ok and check.without_transfer == 1
+    nothing = checks.gateway_check(before, before, completed=0, mode="push")
+    assert not nothing.ok and "no request served" in nothing.detail  # 0/0 proves nothing
 
 
 def _served(*cached: int | None, prompt: int = 512) -> list[RequestResult]:
@@ -267,7 +265,13 @@ def test_cached_tokens_rule_and_proxy_check() -> None:
     check = checks.proxy_check(stats, no_kv, _served(512, 512, 512))
     assert not check.ok and check.without_transfer == 2 and "2 P answers" in check.detail
     failed = [*_served(512), RequestResult(1, 512, error="HTTP 502")]
-    assert checks.proxy_check(stats, after, failed).checked == 1
+    assert checks.proxy_check({**stats, "requests": 6}, after, failed).checked == 1
+    assert not checks.proxy_check(stats, stats, []).ok  # nothing served: nothing proven
+    partial = {k: v for k, v in after.items() if k != "no_kv_params"}
+    check = checks.proxy_check(stats, partial, _served(512, 512, 512))
+    assert not check.ok and "without no_kv_params" in check.detail
+    check = checks.proxy_check(stats, {**after, "requests": 7}, _served(512, 512, 512))
+    assert not check.ok and "saw 2 of 3 requests" in check.detail
 
 
 async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
@@ -278,13 +282,8 @@ async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
 
     app = web.Application()
     app.router.add_get("/metrics", render)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        probe = checks.PointProbe("gateway", f"http://{host}:{port}", "push")
+    async with serving(app) as base_url:
+        probe = checks.PointProbe("gateway", base_url, "push")
         await probe.before()
         metrics.routed.labels("push").inc(2)
         metrics.kv_outcomes.labels("push", "received").inc()
@@ -298,9 +297,7 @@ async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
         await late
         assert check.ok and check.checked == 2, check
         assert check.counts == {"outcome.push.received": 2.0, "routed.push": 2.0}
-    finally:
-        await runner.cleanup()
-    unreachable = checks.PointProbe("proxy", f"http://{host}:{port}")
+    unreachable = checks.PointProbe("proxy", base_url)  # the server is gone
     await unreachable.before()
     check = await unreachable.after(_served(512))
     assert check.applies and not check.ok and "snapshot before" in check.detail
@@ -431,6 +428,19 @@ def msgspec_points(document: results.Document) -> list[dict[str, Any]]:
     return json.loads(results.dumps(document))["points"]
 
 
+def test_a_point_with_errors_meets_no_target() -> None:
+    """The survivors' TTFT of a point where requests failed is no measure of it."""
+    points = msgspec_points(_synthetic())
+    for p in points:
+        if p["system"] == "kvpush-push" and p["point"] == "0.9x" and p["repeat"] == 1:
+            p["errors"] = 1
+    found = {v.key: v for v in summary.verdicts(summary.rows(_document(points)))}
+    assert [(p.point, p.met, p.why) for p in found["T1"].points] == [
+        ("0.75x", False, ""),
+        ("0.9x", False, "errors"),
+    ]
+
+
 def test_report_marks_failed_points_and_shows_spreads_ratios_and_verdicts() -> None:
     text = report.render(_synthetic(), plots_prefix="serve/")
     assert "| c=1 | kvpush-push | 500 [450–600] | 450 [405–540] | 1000 [900–1200] |" in text
@@ -452,16 +462,17 @@ def test_generated_part_is_spliced_into_prose_and_checked(tmp_path: Path) -> Non
     data.write_text(results.dumps(_synthetic()))
     doc = tmp_path / "serve.md"
     doc.write_text("# Serving benchmark\n\nProse that explains.\n")
-    assert report.check_doc(doc) is not None  # no generated part yet
+    assert report.check_doc(doc, data) is not None  # no generated part yet
     assert report.write_doc(doc, data) and not report.write_doc(doc, data)
     text = doc.read_text()
-    assert text.startswith("# Serving benchmark\n\nProse that explains.\n\n<!-- generated by ")
-    assert "from serve/results.json: do not edit -->" in text and "(serve/ttft-random-2048" in text
-    assert report.check_doc(doc) is None and report.check_doc(doc, data) is None
+    assert text.startswith("# Serving benchmark\n\nProse that explains.\n\n<!-- generated: serve (")
+    assert "kvpush bench report " in text and "serve/results.json --out " in text
+    assert "(serve/ttft-random-2048" in text
+    assert report.check_doc(doc, data) is None
     doc.write_text(text + "\nMore prose after the tables.\n")
-    assert report.check_doc(doc) is None  # prose outside the markers is free
+    assert report.check_doc(doc, data) is None  # prose outside the markers is free
     doc.write_text(text.replace("500 [450–600]", "480 [450–600]"))
-    assert "differs" in (report.check_doc(doc) or "")
+    assert "not what its data generates" in (report.check_doc(doc, data) or "")
     ns = argparse.Namespace(results=str(data), out=str(doc), check=True, plots=False)
     assert report.main(ns) == 1
     assert report.main(argparse.Namespace(**{**vars(ns), "check": False})) == 0
@@ -470,9 +481,7 @@ def test_generated_part_is_spliced_into_prose_and_checked(tmp_path: Path) -> Non
 
 def test_committed_serve_doc_is_generated_from_its_results() -> None:
     doc = REPO / "docs" / "benchmarks" / "serve.md"
-    if report.source_of(doc.read_text()) is None:
-        pytest.skip("docs/benchmarks/serve.md has no generated part yet")
-    assert report.check_doc(doc) is None
+    assert report.check_doc(doc, REPO / "docs" / "benchmarks" / "serve" / "results.json") is None
 
 
 def test_plots_use_the_medians(tmp_path: Path) -> None:

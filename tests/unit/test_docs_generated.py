@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.services.bench import docgen, transport_report
-from tests.integration import measure_push_split
+from kvpush.services.bench import docgen, push_split_report, transport_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -30,6 +29,8 @@ def test_update_with_check_refuses_a_doc_that_differs_from_its_data(tmp_path: Pa
     doc.write_text("# Doc\n")
     assert docgen.update(doc, "t", "| x |", "regen") is True
     assert docgen.update(doc, "t", "| x |", "regen", check=True) is False
+    # the marker's command may name other paths (another checkout): only the body counts
+    assert docgen.update(doc, "t", "| x |", "regen /elsewhere", check=True) is False
     doc.write_text(doc.read_text().replace("| x |", "| y |"))  # a hand edit
     with pytest.raises(docgen.DocOutOfDate, match="regen"):
         docgen.update(doc, "t", "| x |", "regen", check=True)
@@ -45,6 +46,18 @@ def test_transport_md_tables_are_what_the_committed_runs_generate() -> None:
 
 def test_connector_md_time_split_is_what_the_committed_run_generates() -> None:
     path = DOCS / "benchmarks" / "push-split.json"
-    body = measure_push_split.table(json.loads(path.read_text()))
+    body = push_split_report.table(json.loads(path.read_text()))
     doc = DOCS / "connector.md"
-    assert not docgen.update(doc, "push-split", body, measure_push_split.REPORT_COMMAND, True)
+    command = push_split_report.REPORT_COMMAND
+    assert not docgen.update(doc, push_split_report.SECTION, body, command, check=True)
+
+
+def test_transport_summary_refuses_runs_of_different_settings(tmp_path: Path) -> None:
+    runs = sorted((DOCS / "benchmarks" / "transport").glob("run-*.json"))
+    first = json.loads(runs[0].read_text())
+    (tmp_path / "run-1.json").write_text(json.dumps(first))
+    for case in first["cases"]:
+        case["repeats"] = 3  # a quick run next to the committed ones
+    (tmp_path / "run-2.json").write_text(json.dumps(first))
+    with pytest.raises(ValueError, match="differ"):
+        transport_report.load_runs(tmp_path)

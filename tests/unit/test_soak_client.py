@@ -14,6 +14,7 @@ from kvpush.services.bench.soak import client
 from kvpush.services.bench.soak.checks import Delivery
 from kvpush.services.bench.soak.observer import SoakObserver
 from kvpush.services.bench.soak.run import Gate
+from tests.http_server import serving
 
 ERROR = {"message": "no decode worker is available", "type": "service_unavailable",
          "param": None, "code": "no_workers"}  # fmt: skip
@@ -56,13 +57,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def url() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    async with serving(app) as base_url:
+        yield base_url
 
 
 async def ask(url: str, script: str, delivery: Delivery) -> client.Answer:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvpush.services.bench import docgen
+from kvpush.services.bench import docgen, soak
 from kvpush.services.bench.soak import report
 from kvpush.services.bench.soak.accounting import (
     ErrorKind,
@@ -53,7 +54,7 @@ def synthetic(**changes: object) -> report.SoakReport:
         faults={"kill_prefill": 1},
         intervals=intervals,
         leaks=summarize_leaks(intervals),
-        gateway_kv_outcomes={"push/received": 60},
+        gateway_kv_outcomes={"push/received": 60, "pull/received": 30},
         failures=[],
     )
     return msgspec.structs.replace(base, **changes)
@@ -72,6 +73,12 @@ def test_a_clean_report_passes() -> None:
         ({"faults": {}}, "no fault"),
         ({"paths": [PathCount("push/received", 1, 0, 0, 0)]}, "no pull/received"),
         ({"paths": [PathCount("local", 9, 9, 0, 0)]}, "no push/received"),
+        (
+            {"gateway_kv_outcomes": {"push/received": 59, "pull/received": 30}},
+            "push/received: the gateway counted 59, the soak checked 60",
+        ),
+        ({"stopped_early": "client-0: RuntimeError('x')"}, "the run stopped early"),
+        ({"faults": {"kill_prefill": 5}}, "fault burst never ran"),
     ],
 )
 def test_the_verdict_fails_for_each_reason(changes: dict[str, object], reason: str) -> None:
@@ -101,3 +108,23 @@ def test_the_committed_soak_table_is_the_one_its_json_generates() -> None:
     assert docgen.section(doc, report.SECTION) == report.markdown(committed)
     assert report.failures(committed) == committed.failures  # the verdict follows the data
     assert committed.passed, committed.failures
+
+
+def test_report_mode_judges_the_data_not_what_it_claims(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    honest, lying = tmp_path / "honest.json", tmp_path / "lying.json"
+    wrong = synthetic(counts={"ok": 90, "wrong": 1})
+    honest.write_bytes(report.dump(msgspec.structs.replace(wrong, failures=report.failures(wrong))))
+    lying.write_bytes(report.dump(wrong))  # says it passed
+    assert soak.main(parser.parse_args(["--report", str(honest)])) == 1  # a failed run fails
+    assert soak.main(parser.parse_args(["--report", str(lying)])) == 1
+    clean = tmp_path / "clean.json"
+    clean.write_bytes(report.dump(synthetic()))
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Soak\n")
+    assert soak.main(parser.parse_args(["--report", str(clean), "--doc", str(doc)])) == 0
+    check = ["--report", str(clean), "--doc", str(doc), "--check"]
+    assert soak.main(parser.parse_args(check)) == 0
+    doc.write_text(doc.read_text().replace("**PASS**", "**FAIL**"))
+    assert soak.main(parser.parse_args(check)) == 1

@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="smoke run: random 512 only, qps 1, c=2, 8 requests per point",
     )
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in OUT_DIR (its results.partial.json, saved after "
+        "every system of every repeat): same arguments and commit, or it refuses",
+    )
     add("--log-dir", default=None, help="systems' logs (default OUT_DIR/logs)")
     add("--json", metavar="OUT", help="also write the JSON document here")
     add(

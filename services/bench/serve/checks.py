@@ -28,6 +28,7 @@ Threading model: asyncio on the bench's loop (one short HTTP GET per snapshot); 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -121,6 +122,8 @@ def gateway_check(
         problems.append(f"routed not {mode}: {routed}")
     if received != completed:
         problems.append(f"received {received} of {completed} served")
+    if not completed:
+        problems.append("no request served: nothing to check")
     detail = "; ".join(problems) or f"received {received}/{completed}"
     return TransferCheck(
         applies=True,
@@ -139,10 +142,9 @@ def proxy_check(
     before: dict[str, Any], after: dict[str, Any], results: list[RequestResult]
 ) -> TransferCheck:
     """The check of a vllm-pull / vllm-push point (proxy stats around it + D's usage)."""
-    counts = {
-        key: float(after.get(key, 0) - before.get(key, 0))
-        for key in ("requests", "no_kv_params", "prefill_failed", "decode_failed")
-    }
+    keys = ("requests", "no_kv_params", "prefill_failed", "decode_failed")
+    missing = [key for key in keys if key not in before or key not in after]
+    counts = {key: float(after.get(key, 0) - before.get(key, 0)) for key in keys}
     no_kv = int(counts["no_kv_params"])
     served = [r for r in results if r.error is None and r.ttft_s is not None]
     unverified = sum(1 for r in served if r.cached_tokens is None)
@@ -162,6 +164,12 @@ def proxy_check(
         problems.append(f"{computed} with D's cached tokens below the prompt (min {worst})")
     if unverified:
         problems.append(f"{unverified} without prompt_tokens_details")
+    if missing:
+        problems.append(f"proxy stats without {', '.join(missing)}")
+    elif int(counts["requests"]) != len(results):
+        problems.append(f"the proxy saw {int(counts['requests'])} of {len(results)} requests")
+    if not served:
+        problems.append("no request served: nothing to check")
     detail = "; ".join(problems) or f"KV loaded for {len(served)}/{len(served)}"
     return TransferCheck(
         applies=True,
@@ -202,12 +210,16 @@ class PointProbe:
             if status != 200:
                 raise RuntimeError(f"/metrics: HTTP {status}")
             return gateway_counts(text)
-        import json
-
         status, text = await _get(f"{self.url}/proxy/stats")
         if status != 200:
             raise RuntimeError(f"/proxy/stats: HTTP {status}")
-        return json.loads(text)
+        try:
+            stats = json.loads(text)
+        except ValueError as exc:
+            raise RuntimeError(f"/proxy/stats: not JSON ({exc})") from None
+        if not isinstance(stats, dict):
+            raise RuntimeError("/proxy/stats: not a JSON object")
+        return stats
 
     async def before(self) -> None:
         if self.transfer == "none":

@@ -12,7 +12,8 @@ under ``capacity``). kvpush systems also report their TTFT breakdown per point (
 Writes ``results.json`` (``results.py``: every point of every repeat, plus the ratios and
 verdicts ``summary.py`` derives), ``results.md`` (what ``kvpush bench report`` generates) and
 ``ttft-<dataset>-<len>.png`` into ``--out-dir``. Exit status 1 when a system failed or a point
-failed its transfer check (everything is still written).
+failed its transfer check (everything is still written). After every system of every repeat
+the run so far is saved (``checkpoint.py``); ``--resume`` continues an interrupted run.
 
 Threading model: one asyncio loop; systems run as child process groups.
 """
@@ -24,7 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +35,16 @@ import msgspec
 import numpy as np
 
 from kvpush.services import models
-from kvpush.services.bench.serve import checks, loadgen, plan, report, results, summary
+from kvpush.services.bench import docgen
+from kvpush.services.bench.serve import (
+    checkpoint,
+    checks,
+    loadgen,
+    plan,
+    report,
+    results,
+    summary,
+)
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import BenchContext, KvpushPull, KvpushPush, System
 from kvpush.services.telemetry.breakdown import PART_NAMES
@@ -202,12 +211,9 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         except metadata.PackageNotFoundError:
             return "-"
 
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "kvpush_rev": rev or "-",
+        "date": docgen.stamp(),
+        "kvpush_rev": docgen.revision(),
         "model": (models.read_stamp(ctx.model_dir) or {}).get("recipe"),
         "cores": os.cpu_count(),
         "prefill_core": ctx.prefill_core,
@@ -229,6 +235,19 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
     }
 
 
+def _checkpoint(
+    document: Document, bench: Bench, runs: dict[str, Any], done: set[tuple[int, str]]
+) -> checkpoint.Checkpoint:
+    return checkpoint.Checkpoint(
+        meta=document.meta,
+        done=sorted(done),
+        runs=runs,
+        capacity={str(k): v for k, v in bench.capacity.items()},
+        rates={str(k): v for k, v in bench.rates.items()},
+        points=document.points,
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
     the_plan = plan.from_args(args)
     classes = system_classes()
@@ -246,8 +265,24 @@ async def run(args: argparse.Namespace) -> int:
     document = Document(schema=results.SCHEMA, meta=_meta(args, ctx, the_plan))
     bench = Bench(ctx, the_plan, vocab)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in the_plan.systems}
+    done: set[tuple[int, str]] = set()
+    if args.resume:
+        try:
+            saved = checkpoint.load(out_dir, document.meta)
+        except checkpoint.ResumeError as exc:
+            _say(str(exc))
+            return 2
+        resumed = [*saved.meta.get("resumed", []), document.meta["date"]]
+        document.meta = {**saved.meta, "resumed": resumed}
+        document.points, done = list(saved.points), {(r, n) for r, n in saved.done}
+        runs.update(saved.runs)
+        bench.capacity = {int(k): v for k, v in saved.capacity.items()}
+        bench.rates = {int(k): v for k, v in saved.rates.items()}
+        _say(f"resuming: {len(done)} system run(s) of {the_plan.repeats * len(runs)} done")
     for repeat in range(the_plan.repeats):
         for name in the_plan.system_order(repeat):
+            if (repeat, name) in done:
+                continue
             system = classes[name]()
             system.run_label = f"r{repeat + 1}"
             record: dict[str, Any] = {"repeat": repeat, "ok": True}
@@ -259,6 +294,8 @@ async def run(args: argparse.Namespace) -> int:
             finally:
                 await system.stop()
             runs[name].append(record)
+            done.add((repeat, name))
+            checkpoint.save(out_dir, _checkpoint(document, bench, runs, done))
     for name, records in runs.items():
         failed = [r for r in records if not r["ok"]]
         document.systems[name] = {"ok": not failed, "runs": records}
@@ -274,11 +311,13 @@ async def run(args: argparse.Namespace) -> int:
     (out_dir / "results.json").write_text(text)
     if args.json:
         Path(args.json).write_text(text)
-    md = out_dir / "results.md"
-    md.write_text(report.block(document, out_dir / "results.json", md))
+    md = out_dir / "results.md"  # the generated tables alone, rewritten from scratch
+    md.unlink(missing_ok=True)
+    report.write_doc(md, out_dir / "results.json")
     for path in report.plots(document, out_dir):
         _say(f"wrote {path}")
     print(report.render(document))
+    checkpoint.remove(out_dir)
     _say(f"results in {out_dir}")
     failed_systems = [n for n, s in document.systems.items() if not s["ok"]]
     failed_checks = [

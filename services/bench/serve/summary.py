@@ -310,7 +310,7 @@ class VerdictPoint(msgspec.Struct, kw_only=True):
     capacity_fraction: float | None
     value: float | None
     met: bool
-    why: str = ""  # for a miss that is not a number: "no data", "transfer check failed"
+    why: str = ""  # a miss that is not a number: "no data", "transfer check failed", "errors"
 
 
 class Verdict(msgspec.Struct, kw_only=True):
@@ -343,6 +343,8 @@ def verdicts(all_rows: list[Row]) -> list[Verdict]:
                 why = "transfer check failed"
             elif not (ours.check.ok and other.check.ok):
                 why = "transfer not checked"
+            elif ours.errors or other.errors:  # a figure of the survivors is no measure
+                why = "errors"
             met = not why and value is not None and target.met_by(value)
             points.append(
                 VerdictPoint(

@@ -96,6 +96,16 @@ class Process:
             return ""
         return "\n".join(text[-lines:])
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process's whole group (it may have children of its own)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def wait(self) -> int | None:
+        """Block until the process has exited; its exit code (None: never started)."""
+        return None if self.proc is None else self.proc.wait()
+
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

@@ -52,26 +52,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--json", metavar="OUT", help="write the report as JSON")
     add("--doc", metavar="MD", help="rewrite the generated soak block of this document")
-    add("--report", metavar="IN", help="render a JSON report written before; run nothing")
+    add(
+        "--report",
+        metavar="IN",
+        help="run nothing: judge and render a JSON report written before (exit 1 if it fails)",
+    )
+    add("--check", action="store_true", help="with --report --doc: only check the doc's table")
     add("--log-dir", default="/tmp/kvpush-soak", help="workers' logs")
-
-
-def _publish(result: report.SoakReport, args: argparse.Namespace) -> None:
-    table = report.markdown(result)
-    if args.doc:
-        docgen.update(Path(args.doc), report.SECTION, table, report.REPORT_COMMAND)
-    print(table)
 
 
 def main(args: argparse.Namespace) -> int:
     if args.report:
         result = report.load(Path(args.report))
-        _publish(result, args)
-        return 0
-    result = asyncio.run(run_soak(settings_from_args(args), Path(args.log_dir)))
-    if args.json:
-        Path(args.json).write_bytes(report.dump(result))
-    _publish(result, args)
+        judged = report.failures(result)  # the verdict follows the data, not what it says
+        if judged != result.failures:
+            print(f"[soak] {args.report}: stored verdict differs; judged {judged}", file=sys.stderr)
+            return 1
+    else:
+        result = asyncio.run(run_soak(settings_from_args(args), Path(args.log_dir)))
+        if args.json:
+            Path(args.json).write_bytes(report.dump(result))
+    table = report.markdown(result)
+    published = docgen.publish(table, args.doc, report.SECTION, report.REPORT_COMMAND, args.check)
     for failure in result.failures:
         print(f"[soak] FAIL: {failure}", file=sys.stderr)
-    return 0 if result.passed else 1
+    return 1 if published or not result.passed else 0

@@ -4,9 +4,11 @@
 ``failures`` is the verdict: the run fails on any wrong token (a 200 or an aborted stream's
 prefix whose ids differ from the reference), any unexpected answer (an error the running fault
 does not explain, a non-OpenAI body, a reset, a timeout), any leaked block or worker that never
-went idle, a success share below ``--min-success-share``, no fault injected, or no request
-checked with KV received from the prefill worker in push and in pull mode (a soak of local
-answers proves nothing about KV).
+went idle, a success share below ``--min-success-share``, no fault injected (or a kind of
+fault missing from a whole round), no request checked with KV received from the prefill worker
+in push and in pull mode (a soak of local answers proves nothing about KV), the gateway's own
+kv outcome counts disagreeing with the soak's checked paths, or a load phase that stopped
+early (a worker or nats-server that failed on its own).
 
 ``markdown`` renders the tables of a report, deterministically, so the copy in
 ``docs/reliability.md`` (its generated section ``SECTION``, see ``kvpush.services.bench.docgen``)
@@ -29,6 +31,7 @@ from kvpush.services.bench.soak.accounting import (
     PathCount,
     leak_failures,
 )
+from kvpush.services.bench.soak.checks import FAULTS
 
 SECTION: Final = "soak"
 REPORT_COMMAND: Final = (
@@ -68,8 +71,11 @@ class SoakReport(msgspec.Struct, frozen=True):
     faults: dict[str, int]
     intervals: list[Interval]
     leaks: list[LeakSummary]
-    gateway_kv_outcomes: dict[str, int]  # the gateway's own counter, for cross-checking
+    gateway_kv_outcomes: dict[str, int]  # the gateway's own counter: must agree with paths
     failures: list[str]  # empty: the run passed
+    date: str = "-"  # when the run started (UTC)
+    kvpush_rev: str = "-"  # the code it ran (``-dirty``: with uncommitted changes)
+    stopped_early: str = ""  # why the load phase ended before its time (a failure)
 
     @property
     def passed(self) -> bool:
@@ -87,10 +93,19 @@ def failures(report: SoakReport) -> list[str]:
     floor = report.settings.min_success_share
     if report.success_share < floor:
         out.append(f"success share {report.success_share:.3f} below {floor:g}")
+    if report.stopped_early:
+        out.append(f"the run stopped early: {report.stopped_early}")
     if not report.faults:
         out.append("no fault was injected")
+    elif sum(report.faults.values()) >= len(FAULTS):  # a whole round ran: every kind in it
+        out += [f"fault {kind} never ran" for kind in FAULTS if not report.faults.get(kind)]
     checked = {p.path: p.json + p.stream for p in report.paths}
     out += [f"no {path} request was checked" for path in TRANSFERRED if not checked.get(path)]
+    if not counts.get("unverified", 0):  # every 200 attributed to a path: the two must agree
+        for path in sorted({*report.gateway_kv_outcomes, *(p for p in checked if "/" in p)}):
+            gateway, soak = report.gateway_kv_outcomes.get(path, 0), checked.get(path, 0)
+            if gateway != soak:
+                out.append(f"{path}: the gateway counted {gateway}, the soak checked {soak}")
     return out + leak_failures(report.intervals)
 
 
@@ -114,7 +129,8 @@ def markdown(report: SoakReport) -> str:
     s, c = report.settings, report.counts
     verdict = "**PASS**" if report.passed else "**FAIL**: " + "; ".join(report.failures)
     lines = [
-        f"Run: {s.minutes:g} min of load and faults ({report.load_s:.0f} s with the quiesces, "
+        f"Run ({report.date}, commit {report.kvpush_rev}): {s.minutes:g} min of load and "
+        f"faults ({report.load_s:.0f} s with the quiesces, "
         f"{report.wall_s:.0f} s in all), {s.concurrency} clients, a fault every "
         f"{s.fault_every_s:g} s, P sleeping {s.layer_delay_ms:g} ms per layer, "
         f"{_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed and "

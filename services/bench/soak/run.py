@@ -41,6 +41,7 @@ import aiohttp
 import msgspec
 
 from kvpush.services import models
+from kvpush.services.bench import docgen
 from kvpush.services.bench.soak import client
 from kvpush.services.bench.soak.accounting import (
     IdleSample,
@@ -187,7 +188,8 @@ class Soak:
 
     async def _fault_cycles(self, started: float, until: float) -> None:
         previous, previous_at = self._last
-        while time.monotonic() + self.s.fault_every_s < until:
+        # a cycle's fault lands up to 3 s after its quiesce: start one only if it lands in time
+        while time.monotonic() + self.s.fault_every_s + 3.0 < until:
             await asyncio.sleep(self.s.fault_every_s)
             before = await self._quiesce()
             at = round(time.monotonic() - started, 1)
@@ -210,7 +212,29 @@ class Soak:
             self._last = (previous, previous_at)
 
     # ---- the run ---------------------------------------------------------------------------
+    async def _load(self, started: float, until: float) -> str:
+        """The clients and the fault cycles until ``until``; why they stopped early ("": they
+        did not). A part that fails (a worker or nats-server that failed on its own, a fault
+        that could not be injected or recovered from) stops the others: the report says so."""
+        parts = [
+            asyncio.create_task(self._fault_cycles(started, until), name="faults"),
+            *(
+                asyncio.create_task(self._client(until), name=f"client-{i}")
+                for i in range(self.s.concurrency)
+            ),
+        ]
+        done, pending = await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if (exc := task.exception()) is not None:
+                _say(f"{task.get_name()} failed: {exc!r}")
+                return f"{task.get_name()}: {exc!r}"[:500]
+        return ""
+
     async def run(self) -> SoakReport:
+        date = docgen.stamp()
         begun = time.monotonic()
         await self.stack.start()
         await self._references()
@@ -218,11 +242,15 @@ class Soak:
         started = time.monotonic()
         until = started + self.s.minutes * 60
         _say(f"load + faults for {self.s.minutes:g} min")
-        clients = [self._client(until) for _ in range(self.s.concurrency)]
-        await asyncio.gather(self._fault_cycles(started, until), *clients)
-        previous, previous_at = self._last
-        final = await self._quiesce()
-        self.intervals.append(make_interval(LOAD, previous_at, 0, previous, final))
+        stopped_early = await self._load(started, until)
+        if not stopped_early:
+            previous, previous_at = self._last
+            try:
+                final = await self._quiesce()
+            except RuntimeError as exc:  # a worker failed on its own at the very end
+                stopped_early = f"final quiesce: {exc!r}"[:500]
+            else:
+                self.intervals.append(make_interval(LOAD, previous_at, 0, previous, final))
         load_s = time.monotonic() - started
         assert self.stack.gateway is not None
         samples = self.stack.gateway.metrics.kv_outcomes.collect()[0].samples
@@ -247,6 +275,9 @@ class Soak:
             leaks=summarize_leaks(self.intervals),
             gateway_kv_outcomes=dict(sorted(kv.items())),
             failures=[],
+            date=date,
+            kvpush_rev=docgen.revision(),
+            stopped_early=stopped_early,
         )
         return msgspec.structs.replace(report, failures=failures(report))
 

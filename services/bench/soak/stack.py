@@ -93,17 +93,27 @@ class SoakStack:
             request_timeout_s=REQUEST_TIMEOUT_S, shutdown_grace_s=1.0,
         )  # fmt: skip
         self.gateway = await Gateway.start(config)
+        deadline = time.monotonic() + START_TIMEOUT_S
         while 0 in self.gateway.registry.counts().values():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway saw no worker of each role in {START_TIMEOUT_S} s")
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
-        if self.gateway is not None:
-            await self.gateway.stop(grace_s=0)
-        if self._bus is not None:
-            await self._bus.close()
-        for process in self.procs.values():
-            await asyncio.to_thread(process.stop)
-        await asyncio.to_thread(self.nats.stop)
+        """Stop everything that started, each part even if an earlier one failed to stop."""
+        try:
+            if self.gateway is not None:
+                await self.gateway.stop(grace_s=0)
+        finally:
+            try:
+                if self._bus is not None:
+                    await self._bus.close()
+            finally:
+                try:
+                    for process in self.procs.values():
+                        await asyncio.to_thread(process.stop)
+                finally:
+                    await asyncio.to_thread(self.nats.stop)
 
     async def _first_beat(self, worker_id: str, old_epoch: int | None) -> None:
         """Until ``worker_id`` beats with an epoch other than ``old_epoch``."""
@@ -125,19 +135,19 @@ class SoakStack:
         if fault in ("kill_prefill", "kill_decode"):
             worker_id = P if fault == "kill_prefill" else D
             old = self.watch.beats[worker_id].epoch
-            proc = self.procs[worker_id].proc
-            assert proc is not None
-            proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(proc.wait)
+            victim = self.procs[worker_id]
+            victim.signal(signal.SIGKILL)
+            await asyncio.to_thread(victim.wait)
             await asyncio.sleep(1.0)
             self.procs[worker_id] = self._worker(worker_id)
             await self._first_beat(worker_id, old)
         elif fault == "stop_decode":
-            proc = self.procs[D].proc
-            assert proc is not None
-            proc.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(STOP_DECODE_S)
-            proc.send_signal(signal.SIGCONT)
+            decode = self.procs[D]
+            decode.signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(STOP_DECODE_S)
+            finally:  # never leave D stopped, even when the soak is cancelled here
+                decode.signal(signal.SIGCONT)
         elif fault == "restart_nats":
             await asyncio.to_thread(self.nats.restart)
         else:
