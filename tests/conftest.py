@@ -1,11 +1,14 @@
 """Session-wide fixtures: a real nats-server, an in-memory OpenTelemetry exporter, offline env.
 
-Engines and servers start once per session (CI has 2 cores and a time budget).
+Engines and servers start once per session (CI has 2 cores and a time budget). Engines live in
+child processes only: a test module that imports vllm (directly or through the connector's
+vLLM-facing modules) stops the run at collection, naming the module.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -26,9 +29,20 @@ from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 
 _EXPORTER = InMemorySpanExporter()
+
+
 _PROVIDER = TracerProvider()
 _PROVIDER.add_span_processor(SimpleSpanProcessor(_EXPORTER))
 trace.set_tracer_provider(_PROVIDER)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """Reports come module by module as each is imported: the first to see vllm imported it."""
+    if "vllm" in sys.modules:
+        raise pytest.UsageError(
+            f"collecting {report.nodeid} imported vllm into the pytest process; engines run in "
+            "child processes only (import vLLM-facing modules inside the child's code)"
+        )
 
 
 @pytest.fixture(scope="session")

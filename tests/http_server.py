@@ -7,7 +7,7 @@ Threading model: runs on the test's event loop; ``serving`` cleans up on exit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -24,3 +24,14 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving_completions(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A fake OpenAI server whose ``POST /v1/completions`` is ``handler``; yields its base URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    async with serving(app) as base_url:
+        yield base_url

@@ -32,7 +32,7 @@ from kvpush.services.bench.serve import (
 )
 from kvpush.services.bench.serve.loadgen import RequestResult
 from kvpush.services.gateway.metrics import GatewayMetrics
-from tests.http_server import serving
+from tests.http_server import serving, serving_completions
 
 FIRST_DELAY_S = 0.05
 GAP_S = 0.01
@@ -67,9 +67,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def server() -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    async with serving(app) as base_url:
+    async with serving_completions(completions) as base_url:
         yield base_url
 
 

@@ -14,7 +14,7 @@ from kvpush.services.bench.soak import client
 from kvpush.services.bench.soak.checks import Delivery
 from kvpush.services.bench.soak.observer import SoakObserver
 from kvpush.services.bench.soak.run import Gate
-from tests.http_server import serving
+from tests.http_server import serving_completions
 
 ERROR = {"message": "no decode worker is available", "type": "service_unavailable",
          "param": None, "code": "no_workers"}  # fmt: skip
@@ -55,9 +55,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def url() -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    async with serving(app) as base_url:
+    async with serving_completions(completions) as base_url:
         yield base_url
 
 
