@@ -21,6 +21,7 @@ Threading model: asyncio on the soak's loop; blocking process and nats-server ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 import time
@@ -101,19 +102,14 @@ class SoakStack:
 
     async def stop(self) -> None:
         """Stop everything that started, each part even if an earlier one failed to stop."""
-        try:
+        async with contextlib.AsyncExitStack() as parts:  # runs last-pushed first
+            parts.push_async_callback(asyncio.to_thread, self.nats.stop)
+            for process in self.procs.values():
+                parts.push_async_callback(asyncio.to_thread, process.stop)
+            if self._bus is not None:
+                parts.push_async_callback(self._bus.close)
             if self.gateway is not None:
-                await self.gateway.stop(grace_s=0)
-        finally:
-            try:
-                if self._bus is not None:
-                    await self._bus.close()
-            finally:
-                try:
-                    for process in self.procs.values():
-                        await asyncio.to_thread(process.stop)
-                finally:
-                    await asyncio.to_thread(self.nats.stop)
+                parts.push_async_callback(self.gateway.stop, grace_s=0)
 
     async def _first_beat(self, worker_id: str, old_epoch: int | None) -> None:
         """Until ``worker_id`` beats with an epoch other than ``old_epoch``."""
