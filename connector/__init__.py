@@ -1,10 +1,16 @@
-"""kvpush connector: KV movement between engines.
+"""kvpush connector: KV movement between engines, and the one module services import it through.
 
-Two layers: a vLLM-free transport (NIXL agent, KV pool layout, side channel, transfer state
-machine) and a vLLM adapter (KVConnectorBase_V1 subclass) that drives it.
+Layers inside: a vLLM-free transport (NIXL agent, KV pool layout, side channel, transfer state
+machine), the NATS bus client and tracing both halves of a deployment use, and a vLLM adapter
+(``kvpush.connector.vllm``: the ``KVConnectorBase_V1`` subclass that drives the transport; vLLM
+loads it by ``VLLM_CONNECTOR_MODULE`` / ``VLLM_CONNECTOR_CLASS``). Services import only the
+names below (``tests/unit/test_import_graph.py`` holds them to it); nothing here imports vLLM.
+
+Threading model: see each module; importing this package starts no thread.
 """
 
-from kvpush.connector.agent import AgentError, Backend
+from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent, XferStatus
+from kvpush.connector.bus import Bus, BusConfig, BusConnectError
 from kvpush.connector.layout import (
     CompatInfo,
     KvRegion,
@@ -15,29 +21,64 @@ from kvpush.connector.layout import (
     pool_layout,
     runs_to_ids,
 )
+from kvpush.connector.link import EngineLink
+from kvpush.connector.params import ConnectorSettings, TransferParams, read_params
 from kvpush.connector.poller import Poller
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
+from kvpush.connector.tracing import (
+    configure_tracing,
+    configure_tracing_from_env,
+    emit_span,
+    monotonic_to_ns,
+    now_ns,
+    shutdown_tracing,
+    tracing_on,
+)
 from kvpush.connector.transfer import Role, TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport, TransportConfig
+from kvpush.connector.vllm.runtime import ConnectorInfo
+
+VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
+VLLM_CONNECTOR_CLASS = "KVPushConnector"
 
 __all__ = [
+    "VLLM_CONNECTOR_CLASS",
+    "VLLM_CONNECTOR_MODULE",
+    "AgentConfig",
     "AgentError",
     "Backend",
+    "Bus",
+    "BusConfig",
+    "BusConnectError",
     "CompatInfo",
+    "ConnectorInfo",
+    "ConnectorSettings",
+    "EngineLink",
     "HandshakeError",
     "IncompatiblePeerError",
     "KvRegion",
     "KvTransport",
     "MemType",
+    "NixlAgent",
     "Poller",
     "PoolLayout",
     "Role",
     "TransferEvent",
+    "TransferParams",
     "TransferState",
     "TransportConfig",
     "TransportError",
+    "XferStatus",
     "compat_hash",
+    "configure_tracing",
+    "configure_tracing_from_env",
+    "emit_span",
     "ids_to_runs",
+    "monotonic_to_ns",
+    "now_ns",
     "pool_layout",
+    "read_params",
     "runs_to_ids",
+    "shutdown_tracing",
+    "tracing_on",
 ]

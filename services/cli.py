@@ -170,6 +170,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     text = "OpenAI-compatible HTTP gateway"
     try:
         from kvpush.services.gateway import app as gateway_app
+        from kvpush.services.gateway import config as gateway_config
     except ImportError as exc:  # a build without the gateway
         missing = str(exc)
 
@@ -185,7 +186,7 @@ def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         description=gateway_app.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gateway_app.add_arguments(parser)
+    gateway_config.add_arguments(parser)
     parser.set_defaults(func=gateway_app.main)
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import aiohttp
 
+from kvpush.connector import Bus, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat
-from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.workers import config as worker_config
 

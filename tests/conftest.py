@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-from kvpush.services.bus import Bus, BusConfig
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 
 _EXPORTER = InMemorySpanExporter()

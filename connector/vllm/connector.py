@@ -16,7 +16,7 @@ a plain engine. vLLM builds one instance per role: the scheduler role delegates 
 ``SchedulerHalf`` (bookkeeping, no I/O), the worker role to ``WorkerHalf`` (NIXL + bus).
 
 Threading model: vLLM calls each instance from its engine thread (scheduler or worker); the
-worker half owns a poller thread and shares the process's bus thread (see ``runtime``).
+worker half owns a poller thread and a bus thread (see ``runtime``).
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
+from kvpush.connector.params import ConnectorSettings
+from kvpush.connector.tracing import configure_tracing_from_env
+from kvpush.connector.vllm.metadata import KVPushMetadata
+from kvpush.connector.vllm.runtime import WorkerRuntime
 from kvpush.connector.vllm.scheduler import SchedulerHalf
 from kvpush.connector.vllm.worker import WorkerHalf
-from kvpush.services.telemetry.setup import configure_from_env
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +52,7 @@ class KVPushConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         # An engine in its own process traces only if the worker passed KVPUSH_TRACE_FILE or
         # OTEL_* down; in the worker's process this finds the provider already installed.
-        configure_from_env(f"kvpush-{settings.role.value}")
+        configure_tracing_from_env(f"kvpush-{settings.role.value}")
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -59,6 +61,17 @@ class KVPushConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             model_id = settings.model_id or str(model.served_model_name or model.model)
             self._worker = WorkerHalf(settings, model_id, str(model.dtype), block_size)
+
+    # ---- what an in-process driver reads (kvpush.connector.EngineLink) ---------------------
+    @property
+    def runtime(self) -> WorkerRuntime | None:
+        """The worker half's runtime (None for the scheduler role)."""
+        return self._worker.runtime if self._worker is not None else None
+
+    @property
+    def last_step_idle(self) -> bool:
+        """Scheduler role: did the last step schedule no tokens at all?"""
+        return self._scheduler is not None and self._scheduler.last_step_idle
 
     # ---- worker role ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

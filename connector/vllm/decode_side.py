@@ -22,12 +22,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
+from kvpush.connector.params import ConnectorSettings, DecodeWork, ReceiveKind
 from kvpush.connector.sidechannel import TransportError, fetch_peer
+from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
-from kvpush.connector.vllm import timing
-from kvpush.connector.vllm.metadata import ConnectorSettings, DecodeWork, ReceiveKind
-from kvpush.connector.vllm.runtime import BusThread, add_pending, notify, take_suspects
+from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -57,11 +57,17 @@ class Incoming:
 
 class DecodeSide:
     def __init__(
-        self, settings: ConnectorSettings, transport: KvTransport, bus: BusThread, block_size: int
+        self,
+        settings: ConnectorSettings,
+        transport: KvTransport,
+        bus: BusThread,
+        runtime: WorkerRuntime,
+        block_size: int,
     ) -> None:
         self.settings = settings
         self.transport = transport
         self.bus = bus
+        self.runtime = runtime
         self.block_size = block_size
         self.lock = threading.RLock()
         self._by_tid: dict[str, Incoming] = {}
@@ -85,18 +91,18 @@ class DecodeSide:
                     self._early.popitem(last=False)
                 return
             self._apply(inc, message)
-        notify()
+        self.runtime.notify()
 
     def on_pushed(self, subject: str, message: object) -> None:
         """KvPushed is P's report (the NIXL notice already completed the receive): its
         instants go to the marks table for the request's TokenChunk."""
         if isinstance(message, KvPushed):
-            timing.record_timing(message.transfer_id, message.timing)
+            self.runtime.marks.record_timing(message.transfer_id, message.timing)
 
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
         tid = inc.work.params.transfer_id
         if isinstance(message, KvReady):
-            timing.record_timing(tid, message.timing)
+            self.runtime.marks.record_timing(tid, message.timing)
             if inc.work.kind is ReceiveKind.PULL and not inc.started and inc.outcome is None:
                 self._start_pull(inc, message)
         elif isinstance(message, KvFailed):
@@ -161,8 +167,8 @@ class DecodeSide:
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
         inc = Incoming(item, time.monotonic() + timeout, peer=item.params.prefill_address)
         self._by_tid[tid] = inc
-        add_pending(1)
-        started_ns = timing.now_ns()
+        self.runtime.add_pending(1)
+        started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
             self.transport.expect(tid, timeout, peer=item.params.prefill_address)
             inc.started = True
@@ -178,11 +184,11 @@ class DecodeSide:
                     compat_hash=self.transport.compat_hash,
                     side_channel=self.transport.address,
                 ),
-                timing.parent(item.params.traceparent),
+                trace_parent(item.params.traceparent),
             )
-        inc.waiting_since_ns = timing.now_ns()
+        inc.waiting_since_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
-            timing.emit(
+            emit_span(
                 "blocks.announce",
                 item.params.traceparent,
                 started_ns,
@@ -199,7 +205,7 @@ class DecodeSide:
             Abort(
                 transfer_id=item.params.transfer_id, sender=self.settings.worker_id, reason=reason
             ),
-            timing.parent(item.params.traceparent),
+            trace_parent(item.params.traceparent),
         )
 
     def _abort(self, inc: Incoming, reason: str) -> None:
@@ -221,21 +227,21 @@ class DecodeSide:
         inc.outcome = state
         inc.failed = state is not TransferState.DONE
         params = inc.work.params
-        landed_ns = event.ended_ns if event is not None and event.ended_ns else timing.now_ns()
+        landed_ns = event.ended_ns if event is not None and event.ended_ns else now_ns()
         pull = inc.work.kind is ReceiveKind.PULL
         if not inc.failed:
-            timing.record(
+            self.runtime.marks.record(
                 params.transfer_id,
                 decode_received=params.received_ns,
                 kv_landed=landed_ns,
                 kv_sent=landed_ns if pull else 0,  # pull: our READ done is the transfer's end
             )
-        if not timing.enabled():
+        if not tracing_on():
             return
         attrs = {"kvpush.transfer_id": params.transfer_id, "kvpush.mode": params.mode.value}
         error = f"{state.value}: fell back to local prefill" if inc.failed else None
         if pull and event is not None and event.started_ns:
-            timing.emit(
+            emit_span(
                 "kv.pull",
                 params.traceparent,
                 event.started_ns,
@@ -244,7 +250,7 @@ class DecodeSide:
                 error=error,
             )
         since_ns = inc.waiting_since_ns
-        timing.emit("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
+        emit_span("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
 
     def _peer_alive(self, address: str) -> bool:
         """Does the side channel at ``address`` still answer (1 s)? Runs off the engine thread."""
@@ -271,11 +277,11 @@ class DecodeSide:
                 self.transport.peer_lost(address)
             else:
                 inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
-        notify()
+        self.runtime.notify()
 
     def _probe_suspects(self) -> None:
         """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
-        for address in take_suspects():
+        for address in self.runtime.take_suspects():
             if address in self._probing or not any(
                 inc.peer == address and inc.outcome is None for inc in self._by_tid.values()
             ):
@@ -293,7 +299,7 @@ class DecodeSide:
                 for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
                     if inc.peer == address and inc.outcome is None and not inc.started:
                         self._settle(inc, TransferState.FAILED)
-        notify()
+        self.runtime.notify()
 
     def collect(self, events: list[TransferEvent]) -> tuple[set[str], set[str]]:
         """Returns (finished_recving, failed_recving) request ids, each reported once."""
@@ -331,5 +337,5 @@ class DecodeSide:
                 if inc.failed and not inc.request_ended:
                     failed.add(req_id)
                 del self._by_tid[tid]
-                add_pending(-1)
+                self.runtime.add_pending(-1)
         return finished, failed

@@ -21,11 +21,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
+from kvpush.connector.params import ConnectorSettings, PrefillWork, TransferParams
+from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
-from kvpush.connector.vllm import timing
-from kvpush.connector.vllm.metadata import ConnectorSettings, PrefillWork, TransferParams
-from kvpush.connector.vllm.runtime import BusThread, add_pending
+from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -75,12 +75,14 @@ class PrefillSide:
         settings: ConnectorSettings,
         transport: KvTransport,
         bus: BusThread,
+        runtime: WorkerRuntime,
         num_layers: int,
         block_size: int,
     ) -> None:
         self.settings = settings
         self.transport = transport
         self.bus = bus
+        self.runtime = runtime
         self.num_layers = num_layers
         self.block_size = block_size
         self.lock = threading.RLock()
@@ -125,11 +127,11 @@ class PrefillSide:
                         item.block_ids,
                         item.num_tokens,
                         time.monotonic() + item.params.timeout_s(self.settings.transfer_timeout_s),
-                        compute_start_ns=timing.now_ns(),
+                        compute_start_ns=now_ns(),
                     )
                     self._by_tid[tid] = out
                     self._tid_of[item.req_id] = tid
-                    add_pending(1)
+                    self.runtime.add_pending(1)
                     early = self._early.pop(tid, None)
                     if early is not None:
                         self._apply(out, early)
@@ -196,7 +198,7 @@ class PrefillSide:
 
     def _maybe_finish(self, out: Outgoing) -> None:
         if not out.compute_end_ns and len(out.computed) == self.num_layers:
-            out.compute_end_ns = timing.now_ns()
+            out.compute_end_ns = now_ns()
         if out.started and not out.finished_posting and len(out.computed) == self.num_layers:
             out.finished_posting = True
             if out.params.mode is TransferMode.PUSH:
@@ -224,9 +226,7 @@ class PrefillSide:
                 timing=out.timing(),
             ),
         )
-        timing.emit(
-            "kv.ready", out.params.traceparent, out.compute_end_ns, timing.now_ns(), _attrs(out)
-        )
+        emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), _attrs(out))
 
     def _abort(self, out: Outgoing, detail: str) -> None:
         if out.outcome is not None:
@@ -267,7 +267,7 @@ class PrefillSide:
         out.outcome = state
         tid, p = out.params.transfer_id, out.params
         me = self.settings.worker_id
-        settled_ns = timing.now_ns()
+        settled_ns = now_ns()
         if state is TransferState.DONE:
             if p.mode is TransferMode.PUSH and event is not None:
                 self._publish(
@@ -285,7 +285,7 @@ class PrefillSide:
                         timing=out.timing(event.ended_ns),
                     ),
                 )
-                timing.emit("kv.push.done", p.traceparent, settled_ns, timing.now_ns(), _attrs(out))
+                emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), _attrs(out))
         elif state is TransferState.ABORTED:
             self._publish(p, subjects.abort(p.decode_id), AbortAck(transfer_id=tid, prefill_id=me))
         else:
@@ -307,16 +307,16 @@ class PrefillSide:
         out: Outgoing, state: TransferState, event: TransferEvent | None, detail: str
     ) -> None:
         """P's spans of a settled transfer: queue, compute and (push) the WRITEs."""
-        if not timing.enabled():
+        if not tracing_on():
             return
         p, attrs = out.params, _attrs(out)
         error = None if state is TransferState.DONE else f"{state.value}: {detail}"[:300]
-        timing.emit("prefill.queue", p.traceparent, p.received_ns, out.compute_start_ns, attrs)
-        timing.emit(
+        emit_span("prefill.queue", p.traceparent, p.received_ns, out.compute_start_ns, attrs)
+        emit_span(
             "prefill.compute",
             p.traceparent,
             out.compute_start_ns,
-            out.compute_end_ns or timing.now_ns(),
+            out.compute_end_ns or now_ns(),
             {**attrs, "gen_ai.usage.input_tokens": out.num_tokens},
         )
         if p.mode is TransferMode.PUSH and event is not None and event.started_ns:
@@ -324,7 +324,7 @@ class PrefillSide:
                 ("layer", event.started_ns + int(lt.done_ms * 1e6), {"layer": lt.layer})
                 for lt in event.layers
             ]
-            timing.emit(
+            emit_span(
                 "kv.push",
                 p.traceparent,
                 event.started_ns,
@@ -335,7 +335,7 @@ class PrefillSide:
             )
 
     def _publish(self, params: TransferParams, subject: str, message: BusMessage) -> None:
-        self.bus.publish(subject, message, timing.parent(params.traceparent))
+        self.bus.publish(subject, message, trace_parent(params.traceparent))
 
     def collect(self, finished_req_ids: set[str], events: list[TransferEvent]) -> set[str]:
         """Apply transport events and finished requests; return req ids whose blocks may go."""
@@ -367,7 +367,7 @@ class PrefillSide:
                     released.add(out.req_id)
                     del self._by_tid[tid]
                     self._tid_of.pop(out.req_id, None)
-                    add_pending(-1)
+                    self.runtime.add_pending(-1)
             return released
 
 

@@ -1,22 +1,32 @@
-"""Per-process connector runtime: the bus thread and the wake-up signal shared by both halves.
+"""One engine's connector runtime: what the worker half shares with its sides and its driver.
 
-vLLM builds the scheduler half and the worker half of a connector as two objects, in one
-process (uniproc executor) or two (multiprocess executor). Each half calls ``BusThread.get`` to
-reach NATS; halves in the same process share one connection. The runtime also carries the
-signal an engine driver uses so that a decode engine waiting for KV costs nothing:
+vLLM builds the scheduler half and the worker half of a connector as two objects, in one process
+(uniproc executor) or two (multiprocess executor). The worker half owns one ``WorkerRuntime``
+and one ``BusThread``, and hands both to its prefill or decode side; nothing here is a module
+global, so two engines (or two TP ranks) in one process never share state by chance.
 
-- ``activity`` (a ``threading.Event``) is set whenever something happened that only an engine
-  step can act on: a transfer finished or failed, an announcement or a KvReady arrived, an abort.
-- ``pending`` counts work the connector still has to report through an engine step (a push in
-  flight on P, a receive on D). A driver that sees ``pending > 0`` and an idle step waits on
+``WorkerRuntime`` carries:
+
+- ``activity`` (a ``threading.Event``), set whenever something happened that only an engine step
+  can act on: a transfer finished or failed, an announcement or a KvReady arrived, an abort.
+- ``pending()``: work the connector still has to report through an engine step (a push in flight
+  on P, a receive on D). A driver that sees ``pending() > 0`` and an idle step waits on
   ``activity`` instead of stepping in a loop.
 - ``suspect_peer`` / ``take_suspects``: side-channel addresses the worker service believes dead
   (a prefill worker's heartbeat lease ran out); the decode side probes them.
+- ``info``: this half's identity once its KV cache is registered (worker id, role, side channel,
+  compatibility hash), for the heartbeat.
+- ``marks``: the critical-path instants learned per transfer (``TimingMarks``), which the decode
+  worker puts on the request's last TokenChunk.
 
-Threading model: ``BusThread`` owns one asyncio loop on a daemon thread named
-``kvpush-bus``; callers on other threads use ``publish`` (fire and forget, bounded by the
-loop's queue) and ``subscribe`` (handlers run on the bus thread and must be quick and
-thread-safe). ``close`` drains and stops it. The module-level registry is guarded by a lock.
+An in-process driver reaches it through ``kvpush.connector.EngineLink`` (the engine's connector
+object); in a multiprocess engine it lives in the worker process.
+
+Threading model: ``WorkerRuntime`` and ``TimingMarks`` are safe from any thread (one lock each;
+``activity`` is an Event). ``BusThread`` owns one asyncio loop on a daemon thread named
+``kvpush-bus``; callers on other threads use ``publish`` (fire and forget, bounded by the loop's
+queue) and ``subscribe`` (handlers run on the bus thread and must be quick and thread-safe).
+``close`` drains and stops it.
 """
 
 from __future__ import annotations
@@ -24,77 +34,103 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas.codec import BusMessage
-from kvpush.services.bus import Bus, BusConfig
+from kvpush.schemas.messages import Timing
 
 log = logging.getLogger(__name__)
-
-activity = threading.Event()
-_pending_lock = threading.Lock()
-_pending = 0
-_last_step_idle = False
-info: dict[str, str] = {}  # set by the worker half: worker_id, role, side_channel, compat_hash
+MAX_MARKS = 8192
 
 
-def add_pending(delta: int) -> None:
-    global _pending
-    with _pending_lock:
-        _pending += delta
+class ConnectorInfo(msgspec.Struct, frozen=True):
+    """A registered worker half: what its worker service announces in heartbeats."""
+
+    worker_id: str
+    role: str
+    side_channel: str
+    compat_hash: str
 
 
-def pending() -> int:
-    return _pending
+class TimingMarks:
+    """``Timing`` instants per transfer id, bounded (oldest dropped first); first value wins."""
+
+    def __init__(self, limit: int = MAX_MARKS) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._marks: OrderedDict[str, dict[str, int]] = OrderedDict()
+
+    def record(self, transfer_id: str, **instants: int) -> None:
+        """Remember ``Timing`` instants of a transfer (zeros ignored)."""
+        with self._lock:
+            entry = self._marks.get(transfer_id)
+            if entry is None:
+                entry = self._marks[transfer_id] = {}
+                while len(self._marks) > self.limit:
+                    self._marks.popitem(last=False)
+            for field, value in instants.items():
+                if value and not entry.get(field):
+                    entry[field] = value
+
+    def record_timing(self, transfer_id: str, timing: Timing | None) -> None:
+        if timing is not None:
+            self.record(transfer_id, **msgspec.structs.asdict(timing))
+
+    def take(self, transfer_id: str) -> Timing | None:
+        """The instants recorded for ``transfer_id`` (and forget them); None if none."""
+        with self._lock:
+            entry = self._marks.pop(transfer_id, None)
+        return Timing(**entry) if entry else None
 
 
-def mark_step(idle: bool) -> None:
-    """Called by the scheduler half once a step: did this step schedule no tokens at all?"""
-    global _last_step_idle
-    _last_step_idle = idle
+class WorkerRuntime:
+    """The worker half's shared state; see the module docstring."""
 
+    def __init__(self) -> None:
+        self.activity = threading.Event()
+        self.marks = TimingMarks()
+        self.info: ConnectorInfo | None = None
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._suspects: set[str] = set()
 
-def last_step_idle() -> bool:
-    return _last_step_idle
+    def add_pending(self, delta: int) -> None:
+        with self._lock:
+            self._pending += delta
 
+    def pending(self) -> int:
+        return self._pending
 
-def notify() -> None:
-    activity.set()
+    def notify(self) -> None:
+        self.activity.set()
 
+    def suspect_peer(self, address: str) -> None:
+        """A peer's side channel that may be dead (its heartbeat lease ran out, or it came back
+        with a new epoch): the decode side probes it and, if it does not answer, fails what is in
+        flight from it at once (D computes those prompts itself) instead of at the deadline."""
+        with self._lock:
+            self._suspects.add(address)
+        self.notify()
 
-_suspects_lock = threading.Lock()
-_suspects: set[str] = set()
-
-
-def suspect_peer(address: str) -> None:
-    """A peer's side channel that may be dead (its heartbeat lease ran out, or it came back with
-    a new epoch): the decode side probes it and, if it does not answer, fails what is in flight
-    from it at once (D computes those prompts itself) instead of at the request's deadline."""
-    with _suspects_lock:
-        _suspects.add(address)
-    notify()
-
-
-def take_suspects() -> set[str]:
-    global _suspects
-    with _suspects_lock:
-        taken, _suspects = _suspects, set()
-    return taken
+    def take_suspects(self) -> set[str]:
+        with self._lock:
+            taken, self._suspects = self._suspects, set()
+        return taken
 
 
 SyncHandler = Callable[[str, BusMessage], None]
 
 
 class BusThread:
-    """One NATS connection on its own asyncio thread, shared per (process, url)."""
-
-    _instances: dict[str, BusThread] = {}  # noqa: RUF012  (process registry)
-    _lock = threading.Lock()
+    """One NATS connection on its own asyncio thread, owned by one worker half."""
 
     def __init__(self, config: BusConfig) -> None:
         self.config = config
@@ -109,15 +145,6 @@ class BusThread:
             raise self._error
         if self._bus is None:
             raise ConnectionError(f"kvpush connector: no NATS connection to {config.url}")
-
-    @classmethod
-    def get(cls, config: BusConfig) -> BusThread:
-        with cls._lock:
-            existing = cls._instances.get(config.url)
-            if existing is None or not existing.alive:
-                existing = cls(config)
-                cls._instances[config.url] = existing
-            return existing
 
     @property
     def alive(self) -> bool:
@@ -166,9 +193,6 @@ class BusThread:
         asyncio.run_coroutine_threadsafe(bus.flush(), self._loop).result(10)
 
     def close(self) -> None:
-        with self._lock:
-            if self._instances.get(self.config.url) is self:
-                del self._instances[self.config.url]
         if self._bus is not None and self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._bus.drain(), self._loop).result(5)

@@ -18,8 +18,8 @@ Prefill:
   request_finished -> delay_free=True until the worker reports the push finished (rule 4);
   ``has_pending_push_work`` keeps the engine stepping until then.
 
-Threading model: called only on the scheduler thread; the only shared state is the runtime's
-``mark_step`` flag (a bool write).
+Threading model: called only on the scheduler thread; an in-process driver reads
+``last_step_idle`` (a bool) from the engine thread, which is the same thread.
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpush.connector.vllm import runtime, timing
-from kvpush.connector.vllm.metadata import (
+from kvpush.connector.params import (
     ConnectorSettings,
     DecodeWork,
-    KVPushMetadata,
     PrefillWork,
     ReceiveKind,
     TransferMode,
     TransferParams,
     read_params,
 )
+from kvpush.connector.tracing import emit_span, now_ns
+from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.schemas.messages import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class SchedulerHalf:
         # prefill: req_id -> (params, block ids so far, prompt tokens) while still in prefill
         self._prefilling: dict[str, tuple[TransferParams, list[int], int]] = {}
         self._awaiting_push: set[str] = set()  # finished requests whose blocks wait for a push
+        self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
+        # driver then sleeps until the worker half's activity signal instead of stepping again)
 
     # ---- decode side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -79,8 +81,8 @@ class SchedulerHalf:
         req_id = request.request_id
         self._handled.add(req_id)
         num_tokens = request.num_prompt_tokens
-        allocated_ns = timing.now_ns()
-        timing.emit(
+        allocated_ns = now_ns()
+        emit_span(
             "decode.allocate",
             params.traceparent,
             params.received_ns,
@@ -175,7 +177,7 @@ class SchedulerHalf:
             self._collect_prefill(scheduler_output)
         meta, self._meta = self._meta, KVPushMetadata()
         meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
-        runtime.mark_step(meta.idle_step)
+        self.last_step_idle = meta.idle_step
         return meta
 
     def update_connector_output(self, output: Any) -> None:

@@ -7,6 +7,9 @@ every engine step: ``bind`` hands this step's ``KVPushMetadata`` to the prefill 
 ``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
 failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
 
+The half owns this engine's ``WorkerRuntime`` (wake-up signal, pending count, suspects, timing
+marks, ``info``) and its own ``BusThread``; ``runtime`` is how an in-process driver reaches them.
+
 Threading model: vLLM calls every method on its worker thread. The Poller thread only queues
 transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``.
 """
@@ -18,16 +21,17 @@ import os
 import queue
 from typing import Any
 
+from kvpush.connector.bus import BusConfig
 from kvpush.connector.layout import CompatInfo, pool_layout
+from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.poller import Poller
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
-from kvpush.connector.vllm import runtime
 from kvpush.connector.vllm.decode_side import DecodeSide
-from kvpush.connector.vllm.metadata import ConnectorSettings, KVPushMetadata
+from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.connector.vllm.prefill_side import PrefillSide
+from kvpush.connector.vllm.runtime import BusThread, ConnectorInfo, WorkerRuntime
 from kvpush.schemas.messages import WorkerRole
-from kvpush.services.bus import BusConfig
 
 log = logging.getLogger(__name__)
 SIDE_CHANNEL_TOKEN_ENV = "KVPUSH_SIDE_CHANNEL_TOKEN"  # shared secret of every P and D
@@ -44,7 +48,8 @@ class WorkerHalf:
         self.block_size = block_size
         self.transport: KvTransport | None = None
         self.poller: Poller | None = None
-        self.bus: runtime.BusThread | None = None
+        self.runtime = WorkerRuntime()
+        self.bus: BusThread | None = None
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._layer_index: dict[str, int] = {}
@@ -69,17 +74,15 @@ class WorkerHalf:
             ),
             layout,
         )
-        self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=runtime.notify)
-        self.bus = runtime.BusThread.get(BusConfig.from_env(s.nats_url, f"kvpush-{s.worker_id}"))
+        rt = self.runtime
+        self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=rt.notify)
+        self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{s.worker_id}"))
         if s.role is WorkerRole.PREFILL:
-            self.prefill = PrefillSide(s, self.transport, self.bus, len(names), self.block_size)
+            self.prefill = PrefillSide(s, self.transport, self.bus, rt, len(names), self.block_size)
         else:
-            self.decode = DecodeSide(s, self.transport, self.bus, self.block_size)
-        runtime.info.update(
-            worker_id=s.worker_id,
-            role=s.role.value,
-            side_channel=self.transport.address,
-            compat_hash=self.transport.compat_hash,
+            self.decode = DecodeSide(s, self.transport, self.bus, rt, self.block_size)
+        rt.info = ConnectorInfo(
+            s.worker_id, s.role.value, self.transport.address, self.transport.compat_hash
         )
         log.info(
             "kvpush %s %s: %d layers registered, side channel %s",
@@ -122,7 +125,7 @@ class WorkerHalf:
                 # vLLM schedules these requests on the *next* step: a driver that saw this step
                 # idle must step again at once instead of sleeping (found via the breakdown:
                 # D's first step was 50 ms late, EngineHost's idle wait).
-                runtime.notify()
+                self.runtime.notify()
             return set(), recving, failed
         return set(), set(), set()
 

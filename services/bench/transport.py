@@ -96,9 +96,15 @@ def _side(setup: dict[str, Any], name: str, seed: int) -> tuple[Any, list[Any], 
     """A transport over random pools plus a raw NIXL agent with one registered buffer."""
     import numpy as np
 
-    from kvpush.connector.agent import AgentConfig, NixlAgent
-    from kvpush.connector.layout import CompatInfo, MemType, pool_layout
-    from kvpush.connector.transport import KvTransport, TransportConfig
+    from kvpush.connector import (
+        AgentConfig,
+        CompatInfo,
+        KvTransport,
+        MemType,
+        NixlAgent,
+        TransportConfig,
+        pool_layout,
+    )
 
     rng = np.random.default_rng(seed)
     shape = (setup["num_blocks"], setup["kv_heads"], BLOCK_SIZE, 2 * setup["head_dim"])
@@ -124,7 +130,7 @@ def _side(setup: dict[str, Any], name: str, seed: int) -> tuple[Any, list[Any], 
 def _digest(pools: list[Any], runs: list[list[int]]) -> str:
     import hashlib
 
-    from kvpush.connector.layout import runs_to_ids
+    from kvpush.connector import runs_to_ids
 
     ids = runs_to_ids(runs)
     h = hashlib.sha256()
@@ -178,7 +184,7 @@ class _Bench:
         import msgspec
         import numpy as np
 
-        from kvpush.connector.layout import MemType
+        from kvpush.connector import MemType
 
         self.np, self.msgpack, self.mem = np, msgspec.msgpack, MemType.DRAM
         self.conn = conn
@@ -252,7 +258,7 @@ class _Bench:
 
     def raw_op(self, nbytes: int, op: str = "WRITE", requests: int = 1) -> float:
         """``requests`` single-descriptor requests back to back over ``nbytes`` (plain buffers)."""
-        from kvpush.connector.agent import XferStatus
+        from kvpush.connector import XferStatus
 
         chunk = nbytes // requests
         t0 = time.perf_counter()

@@ -22,7 +22,8 @@ import logging
 import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import nats.errors
@@ -38,7 +39,13 @@ from kvpush.services.gateway.routing import NoWorkerError
 from kvpush.services.gateway.streaming import StreamFailed
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.handlers import GatewayApi
+    from kvpush.connector import Bus
+    from kvpush.services.gateway.config import GatewayConfig
+    from kvpush.services.gateway.metrics import GatewayMetrics
+    from kvpush.services.gateway.model import ModelInfo
+    from kvpush.services.gateway.observe import Observer
+    from kvpush.services.gateway.routing import Route, Router
+    from kvpush.services.gateway.streaming import TokenStreams
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.gateway")
@@ -50,11 +57,28 @@ def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
+class FlowHost(Protocol):
+    """What a flow needs of the gateway (``handlers.GatewayApi`` is the one implementation)."""
+
+    config: GatewayConfig
+    model: ModelInfo
+    bus: Bus
+    router: Router
+    streams: TokenStreams
+    metrics: GatewayMetrics
+    observer: Observer
+    spawn: Callable[[Awaitable[None]], None]
+
+    async def tokenize(self, parsed: api.ParsedRequest) -> list[int]: ...
+
+    async def abort(self, route: Route, transfer_id: str, reason: str, *, decode: bool) -> None: ...
+
+
 class RequestFlow:
     """One generation request from parsed body to last byte; see the module docstring."""
 
     def __init__(
-        self, gw: GatewayApi, request: web.Request, endpoint: api.Endpoint, span: Span
+        self, gw: FlowHost, request: web.Request, endpoint: api.Endpoint, span: Span
     ) -> None:
         self.gw, self.request, self.endpoint, self.span = gw, request, endpoint, span
         self.loop = asyncio.get_running_loop()

@@ -28,9 +28,9 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
-from kvpush.services.bus import Bus
 from kvpush.services.gateway import dashboard, openapi_doc
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.dashboard import RecentRequests
@@ -41,7 +41,7 @@ from kvpush.services.gateway.routing import Route, Router
 from kvpush.services.gateway.streaming import TokenStreams
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.app import GatewayConfig
+    from kvpush.services.gateway.config import GatewayConfig
     from kvpush.services.gateway.model import ModelInfo
 
 log = logging.getLogger(__name__)

@@ -18,14 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpush.services.gateway.config import ConfigError
 from kvpush.services.models import read_stamp
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.app import GatewayConfig
-
-
-class ConfigError(ValueError):
-    """The gateway's flags, environment or model folder are unusable; says which and why."""
+    from kvpush.services.gateway.config import GatewayConfig
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvpush.services.gateway import openapi_schemas
 from kvpush.services.gateway.openapi_schemas import ref
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.app import GatewayConfig
+    from kvpush.services.gateway.config import GatewayConfig
     from kvpush.services.gateway.model import ModelInfo
 
 OPENAPI_VERSION: Final = "3.1.0"

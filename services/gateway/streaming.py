@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from nats.aio.subscription import Subscription
 
+from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import TokenChunk
-from kvpush.services.bus import Bus
 
 
 class StreamFailed(RuntimeError):

@@ -1,5 +1,2 @@
-"""Tracing setup, span records, the TTFT breakdown and the ``kvpush ttft`` report."""
-
-from kvpush.services.telemetry.setup import configure, configure_from_env, shutdown
-
-__all__ = ["configure", "configure_from_env", "shutdown"]
+"""The TTFT breakdown of traced requests and the ``kvpush ttft`` report (tracing setup itself is
+``kvpush.connector``'s: ``configure_tracing``)."""

@@ -34,7 +34,7 @@ from typing import Final
 import msgspec
 
 from kvpush.schemas.messages import Timing
-from kvpush.services.telemetry.spans import SpanRecord
+from kvpush.schemas.spans import SpanRecord
 
 # (part name, the Timing field that ends it), in path order; the first part starts at arrived.
 PARTS: Final = (

@@ -1,114 +1,22 @@
-"""Finished spans as plain records: the JSON-lines file format, its exporter and its readers.
+"""Readers of finished spans: a ``--trace-file`` (JSON lines) and OTLP/HTTP protobuf bodies.
 
-``SpanRecord`` is the one shape every kvpush tool reads spans in, whatever carried them: a
-``--trace-file`` written by ``JsonLinesExporter`` (one JSON object per line), or OTLP/HTTP
-protobuf received by ``kvpush ttft --listen`` (``records_from_otlp``). Times are unix ns, ids
-lower-case hex as in W3C traceparent.
+Both give ``kvpush.schemas.spans.SpanRecord`` values; the writer of the file format is
+``kvpush.connector.tracing.JsonLinesExporter``.
 
-Threading model: ``JsonLinesExporter.export`` is called by the SDK's BatchSpanProcessor thread;
-each batch is one ``os.write`` on a file opened with O_APPEND, so the gateway and both workers
-may share one file (lines of different processes never interleave). Readers are plain functions.
+Threading model: plain functions.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-AttrValue = str | bool | int | float | list[str | bool | int | float]
+from kvpush.schemas.spans import AttrValue, SpanEvent, SpanRecord
 
-
-class SpanEvent(msgspec.Struct, frozen=True, omit_defaults=True):
-    name: str
-    time_ns: int
-    attributes: dict[str, AttrValue] = {}
-
-
-class SpanRecord(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One finished span; the line format of ``--trace-file``."""
-
-    trace_id: str
-    span_id: str
-    name: str
-    start_ns: int
-    end_ns: int
-    parent_span_id: str = ""
-    kind: str = "INTERNAL"
-    service: str = ""
-    status: str = "UNSET"
-    attributes: dict[str, AttrValue] = {}
-    events: list[SpanEvent] = []
-
-    @property
-    def duration_ms(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e6
-
-
-_encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SpanRecord)
-
-
-def _attrs(attributes: Any) -> dict[str, AttrValue]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in (attributes or {}).items()}
-
-
-def record_from_span(span: ReadableSpan) -> SpanRecord:
-    ctx = span.context
-    parent = span.parent
-    service = span.resource.attributes.get("service.name", "") if span.resource else ""
-    return SpanRecord(
-        trace_id=f"{ctx.trace_id:032x}",
-        span_id=f"{ctx.span_id:016x}",
-        parent_span_id=f"{parent.span_id:016x}" if parent is not None else "",
-        name=span.name,
-        kind=span.kind.name,
-        service=str(service),
-        start_ns=span.start_time or 0,
-        end_ns=span.end_time or 0,
-        status=span.status.status_code.name,
-        attributes=_attrs(span.attributes),
-        events=[
-            SpanEvent(name=e.name, time_ns=e.timestamp, attributes=_attrs(e.attributes))
-            for e in span.events
-        ],
-    )
-
-
-class JsonLinesExporter(SpanExporter):
-    """Appends each finished span as one JSON line to ``path`` (see the module docstring)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = b"".join(_encoder.encode(record_from_span(s)) + b"\n" for s in spans)
-        with self._lock:
-            if self._fd < 0:
-                return SpanExportResult.FAILURE
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[SpanRecord]:

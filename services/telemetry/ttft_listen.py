@@ -24,9 +24,10 @@ import msgspec
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from kvpush.schemas.spans import SpanRecord
 from kvpush.services.telemetry.breakdown import breakdowns_from_spans
-from kvpush.services.telemetry.spans import SpanRecord, records_from_otlp
-from kvpush.services.telemetry.ttft import (
+from kvpush.services.telemetry.spans import records_from_otlp
+from kvpush.services.telemetry.ttft_report import (
     OTLP_CONTENT_TYPE,
     Report,
     UsageError,

@@ -19,7 +19,7 @@ from typing import Final
 from PIL import Image, ImageDraw, ImageFont
 
 from kvpush.services.telemetry.breakdown import PART_NAMES, Breakdown
-from kvpush.services.telemetry.ttft import PART_LABELS, percentile, short_id
+from kvpush.services.telemetry.ttft_report import PART_LABELS, percentile, short_id
 
 # One color a part, PART_NAMES order (Tableau 10: distinct, print- and colorblind-tolerant).
 PALETTE: Final = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1")

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvpush.connector import VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models
@@ -76,8 +77,8 @@ class WorkerConfig:
             max_num_seqs=self.max_inflight,
             cpu_cores=self.cpu_cores,
             kv_transfer_config={
-                "kv_connector": "KVPushConnector",
-                "kv_connector_module_path": "kvpush.connector.vllm.connector",
+                "kv_connector": VLLM_CONNECTOR_CLASS,
+                "kv_connector_module_path": VLLM_CONNECTOR_MODULE,
                 "kv_role": "kv_producer" if prefill else "kv_consumer",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra,

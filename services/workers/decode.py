@@ -28,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from kvpush.connector.vllm import runtime, timing
+from kvpush.connector import emit_span, monotonic_to_ns, tracing_on
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
@@ -59,19 +59,19 @@ def _finish_reason(value: str) -> FinishReason:
         return FinishReason.ERROR
 
 
-def _trace(entry: InFlight, handle: RequestHandle) -> Timing:
+def _trace(entry: InFlight, handle: RequestHandle, learned: Timing | None) -> Timing:
     """D's critical-path instants (with what the connector learned from P), and D's spans
     ``decode.receive`` (event to engine) and ``decode.first_token`` (KV here, or the request
     in the engine for mode local, to the first token)."""
     tid = entry.event.transfer_id
-    submitted_ns = timing.monotonic_to_ns(handle.submitted_at)
-    first_ns = timing.monotonic_to_ns(handle.first_output_at) if handle.first_output_at else 0
-    marks = merge(timing.take(tid), Timing(decode_received=entry.received_ns, first_token=first_ns))
-    if timing.enabled():
+    submitted_ns = monotonic_to_ns(handle.submitted_at)
+    first_ns = monotonic_to_ns(handle.first_output_at) if handle.first_output_at else 0
+    marks = merge(learned, Timing(decode_received=entry.received_ns, first_token=first_ns))
+    if tracing_on():
         attrs = {"kvpush.transfer_id": tid, "kvpush.mode": entry.event.mode.value}
-        timing.emit("decode.receive", None, entry.received_ns, submitted_ns, attrs)
+        emit_span("decode.receive", None, entry.received_ns, submitted_ns, attrs)
         start = marks.kv_landed if marks.kv_landed >= submitted_ns else submitted_ns
-        timing.emit("decode.first_token", None, start, first_ns, attrs)
+        emit_span("decode.first_token", None, start, first_ns, attrs)
     return marks
 
 
@@ -117,7 +117,7 @@ class DecodeWorker(Worker):
                     address = self.prefill_addresses.get(worker_id)
                     if address:
                         log.warning("prefill %s silent for %.1f s: probing it", worker_id, lease)
-                        runtime.suspect_peer(address)
+                        self.host.link.suspect_peer(address)
 
     async def _on_heartbeat(self, subject: str, message: object) -> None:
         if isinstance(message, WorkerHeartbeat):
@@ -127,7 +127,9 @@ class DecodeWorker(Worker):
         previous = self.prefill_addresses.get(beat.worker_id)
         epoch = self._prefill_seen.get(beat.worker_id, (beat.epoch, 0.0))[0]
         if previous and (previous != beat.side_channel or epoch != beat.epoch):
-            runtime.suspect_peer(previous)  # restarted: its old incarnation sends nothing more
+            self.host.link.suspect_peer(
+                previous
+            )  # restarted: its old incarnation sends nothing more
         self._prefill_seen[beat.worker_id] = (beat.epoch, time.monotonic())
         self.prefill_addresses[beat.worker_id] = beat.side_channel
         self.prefill_addresses.move_to_end(beat.worker_id)
@@ -169,7 +171,7 @@ class DecodeWorker(Worker):
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
             ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
-            marks = _trace(entry, handle)
+            marks = _trace(entry, handle, self.host.link.take_timing(entry.event.transfer_id))
             await self._send(event, seq, ids, text, reason, count, error, marks)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at

@@ -8,11 +8,12 @@ busy loop), one ``RequestHandle`` per live request, and a command queue bounded 
 Threading: vLLM objects live on the thread ``kvpush-engine`` only; other threads queue commands
 and set the wake event. The engine thread loops: clear the wake event; run queued commands; if
 there is work (requests unfinished, finished but unreported, or held for a delayed free; or
-``runtime.pending() > 0``) run one ``engine.step()`` and route outputs to handles. With no work
+``link.pending() > 0``) run one ``engine.step()`` and route outputs to handles. With no work
 it blocks on the wake event; after an idle step (no tokens scheduled: e.g. every request waits
 for remote KV) it waits on it for at most ``idle_wait_s``. With a connector the wake event *is*
-``runtime.activity``, so commands and connector events end the same wait, and as it is cleared
-before the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not spins.
+the connector's ``link.activity`` (``kvpush.connector.EngineLink``, reached through the engine),
+so commands and connector events end the same wait, and as it is cleared before the step no
+wake-up is lost: a decode engine waiting for pushed KV sleeps, not spins.
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import itertools
 import logging
 import os
 import queue
 import threading
 import time
-import types
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 
+from kvpush.connector import EngineLink
 from kvpush.schemas.messages import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,7 @@ class EngineHost:
         self.config = config
         self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
         self._handles: dict[str, RequestHandle] = {}  # engine thread only
-        self._runtime: Any = types.SimpleNamespace(  # the connector's runtime after start()
-            activity=threading.Event(), pending=lambda: 0, last_step_idle=lambda: False
-        )
+        self.link = EngineLink()  # the engine's connector once built (this one: none)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._send_lock = threading.Lock()  # orders sends against the final queue drain
@@ -182,8 +180,6 @@ class EngineHost:
                 with contextlib.suppress(OSError):  # a thread that exited meanwhile
                     os.sched_setaffinity(int(task), cfg.cpu_cores)
         os.environ.update(env)  # before vllm is imported: it reads some of these at import
-        if cfg.kv_transfer_config:
-            self._runtime = importlib.import_module("kvpush.connector.vllm.runtime")
         report = progress or (lambda _msg: None)
         self._thread = threading.Thread(target=self._run, args=(report,), name="kvpush-engine")
         self._thread.start()
@@ -216,6 +212,8 @@ class EngineHost:
             return outputs, executed
 
         core.step_fn = step_and_record
+        if cfg.kv_transfer_config:
+            self.link = EngineLink.attach(core)  # not connected: another vendor's connector
         self._engine = engine
         self._scheduler = core.scheduler
         self._pool = core.scheduler.kv_cache_manager.block_pool
@@ -227,7 +225,7 @@ class EngineHost:
         if self._thread is None or not self._thread.is_alive():
             return
         self._commands.put(None, timeout=timeout)  # the stop marker, not via _send
-        self._runtime.activity.set()
+        self.link.activity.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("engine thread still running %.0f s after stop", timeout)
@@ -278,7 +276,7 @@ class EngineHost:
                 self._commands.put_nowait((command, future))
             except queue.Full:
                 raise RuntimeError("EngineHost command queue is full") from None
-        self._runtime.activity.set()
+        self.link.activity.set()
         return future
 
     def _run(self, report: Callable[[str], None]) -> None:
@@ -290,7 +288,7 @@ class EngineHost:
             return
         finally:
             self._ready.set()
-        wake = self._runtime.activity
+        wake = self.link.activity
         try:
             while True:
                 wake.clear()  # anything set from here on ends the waits below at once
@@ -298,7 +296,7 @@ class EngineHost:
                     return
                 # has_requests(): also finished-but-unreported and delayed-free requests
                 busy = self._engine.has_unfinished_requests() or self._scheduler.has_requests()
-                if not (busy or self._runtime.pending() > 0):
+                if not (busy or self.link.pending() > 0):
                     wake.wait(1.0)
                 elif self._step():
                     self.idle_steps += 1
@@ -374,7 +372,7 @@ class EngineHost:
                 handle._push(_delta(out))
                 if out.finished:
                     del self._handles[out.request_id]
-        return not self._last_executed or self._runtime.last_step_idle()
+        return not self._last_executed or self.link.last_step_idle()
 
     def _shutdown(self) -> None:
         with self._send_lock:

@@ -18,9 +18,9 @@ import contextlib
 import logging
 from typing import Any
 
+from kvpush.connector import Bus
 from kvpush.schemas import codec, subjects
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
-from kvpush.services.bus import Bus
 
 log = logging.getLogger(__name__)
 

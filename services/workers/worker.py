@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 from nats.aio.subscription import Subscription
 from opentelemetry import propagate
 
-from kvpush.connector.vllm import runtime
+from kvpush.connector import Bus, BusConfig, BusConnectError, TransferParams, configure_tracing
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -46,8 +46,6 @@ from kvpush.schemas.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
-from kvpush.services import telemetry
-from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.engine import EngineHost, RequestHandle
 from kvpush.services.workers.registry import Registry
@@ -129,7 +127,8 @@ class Worker:
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
-        self.side_channel = runtime.info.get("side_channel", "")
+        info = self.host.link.info
+        self.side_channel = info.side_channel if info is not None else ""
         self._free_blocks = self.host.total_blocks()
         self._registry = await Registry.open(self.bus, cfg.registry_ttl_s, cfg.registry_replicas)
         log.info(
@@ -175,9 +174,9 @@ class Worker:
                 self._abort(entry, "shutdown")
             if late:
                 await asyncio.wait(late, timeout=5.0)
-        while runtime.pending() > 0 and time.monotonic() < deadline:
+        while self.host.link.pending() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # P's pushes still in flight: D's blocks depend on them
-        log.info("drained (connector transfers pending: %d)", runtime.pending())
+        log.info("drained (connector transfers pending: %d)", self.host.link.pending())
 
     async def cleanup(self) -> None:
         if self._heartbeat_task is not None:
@@ -281,8 +280,6 @@ class Worker:
 
     def kv_params(self, entry: InFlight, prefill_address: str | None = None) -> dict[str, Any]:
         """The connector's ``kv_transfer_params`` for ``entry`` (trace context included)."""
-        from kvpush.connector.vllm.metadata import TransferParams  # vllm: imported by now
-
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         event = entry.event
@@ -373,5 +370,5 @@ def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {config.worker_id} %(name)s: %(message)s",
     )
-    telemetry.configure(f"kvpush-{worker_cls.role.value}", config.trace_file)
+    configure_tracing(f"kvpush-{worker_cls.role.value}", config.trace_file)
     return asyncio.run(worker_cls(config).run())

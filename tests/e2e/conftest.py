@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from kvpush.services.gateway.app import Gateway, GatewayConfig
+from kvpush.services.gateway import Gateway, GatewayConfig
 from tests.integration.worker_proc import Observer
 
 START_TIMEOUT_S = 240.0

@@ -26,10 +26,10 @@ import aiohttp
 import pytest
 from PIL import Image
 
+from kvpush.schemas.spans import SpanRecord
 from kvpush.services import models
 from kvpush.services.telemetry import spans as span_records
 from kvpush.services.telemetry.breakdown import PART_NAMES, breakdowns_from_spans
-from kvpush.services.telemetry.spans import SpanRecord
 from tests import browser
 from tests.e2e.conftest import DECODE_ID, PREFILL_ID, UpStack
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from kvpush.connector.bus import Bus
 from kvpush.services import models
-from kvpush.services.bus import Bus
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.engine_proc import D_CORES, P_CORES, EngineProc, start_engine
 from tests.integration.gateway_fakes import Stacks, write_model_dir

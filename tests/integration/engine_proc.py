@@ -114,18 +114,14 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
     except BaseException as exc:
         send("failed", repr(exc))
         return
-    from kvpush.connector.vllm import runtime  # vLLM-free module: what the connector registered
-
     send(
         "ready",
         {
             "total_blocks": host.total_blocks(),
             "start_s": time.monotonic() - started,
-            "connector": dict(runtime.info),
+            "connector": msgspec.to_builtins(host.link.info) if host.link.info else {},
         },
     )
-    from kvpush.connector.vllm import timing  # the connector's marks of this process
-
     handles: dict[str, Any] = {}
     transfer_of: dict[str, str] = {}  # request id -> its transfer id (kv_transfer_params)
 
@@ -144,7 +140,7 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
                 continue
             handles.pop(rid, None)
             results.append(_output_dict(out, handle))
-            marks = timing.take(transfer_of.pop(rid, ""))
+            marks = host.link.take_timing(transfer_of.pop(rid, ""))
             results[-1]["kv_landed_ns"] = marks.kv_landed if marks is not None else 0
         send("reply", seq, True, results)
 

@@ -29,6 +29,7 @@ import aiohttp
 import msgspec
 from nats.aio.subscription import Subscription
 
+from kvpush.connector.bus import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -41,7 +42,6 @@ from kvpush.schemas.messages import (
     WorkerRole,
 )
 from kvpush.services import models
-from kvpush.services.bus import Bus
 from kvpush.services.gateway import Gateway, GatewayConfig
 
 HEARTBEAT_S = 0.1

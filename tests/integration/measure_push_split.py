@@ -33,10 +33,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import KvPushed, subjects
 from kvpush.services import models
 from kvpush.services.bench import docgen, push_split_report
-from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config
 from tests.integration.engine_proc import D_CORES, P_CORES, start_engine

@@ -9,9 +9,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvpush.connector.bus import Bus, BusConfig, BusConnectError
 from kvpush.schemas import Abort, RequestEvent, SamplingSpec, encode, subjects
 from kvpush.schemas.codec import BusMessage
-from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.natsd import EmbeddedNats
 
 TIMEOUT = 10.0  # generous: CI boxes run engines in other tests of the session

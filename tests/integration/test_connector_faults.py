@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import Abort, AbortAck, subjects
-from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, connector_config, wait_for
 from tests.integration.engine_proc import P_CORES, EngineProc, start_engine

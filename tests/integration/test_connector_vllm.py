@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import KvPushed, subjects
 from kvpush.services import models
-from kvpush.services.bus import Bus, BusConfig
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID
 from tests.integration.engine_proc import EngineProc

@@ -8,8 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvpush.connector.bus import Bus
 from kvpush.schemas.messages import FinishReason, TransferMode, WorkerRole
-from kvpush.services.bus import Bus
 from kvpush.services.gateway.routing import DECODE_ONLY
 from tests.integration.gateway_fakes import (
     FakeWorker,

@@ -28,8 +28,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from kvpush.connector.bus import Bus, BusConfig, BusConnectError
 from kvpush.schemas import subjects
-from kvpush.services.bus import Bus, BusConfig, BusConnectError
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.http_client import completion_text
 

@@ -30,7 +30,7 @@ import pytest
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 from kvpush.services.bench.soak import WORDS  # made-up words of the tiny model
-from kvpush.services.gateway.app import Gateway, GatewayConfig
+from kvpush.services.gateway import Gateway, GatewayConfig
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.workers.config import WorkerConfig
 from tests.integration.http_client import complete

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -33,7 +34,6 @@ from kvpush.schemas.messages import (
     TransferMode,
     WorkerHeartbeat,
 )
-from kvpush.services.bus import Bus, BusConfig
 
 MODEL = "kvpush-tiny"
 

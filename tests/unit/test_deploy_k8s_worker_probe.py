@@ -11,8 +11,8 @@ import time
 from types import ModuleType
 from typing import Any
 
+from kvpush.connector.bus import Bus
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
-from kvpush.services.bus import Bus
 from kvpush.services.workers.registry import Registry
 from tests.deploy_k8s.layout import PROBE_SCRIPT
 

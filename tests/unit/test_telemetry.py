@@ -17,7 +17,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvpush.connector.tracing import JsonLinesExporter, record_from_span
 from kvpush.schemas.messages import Timing
+from kvpush.schemas.spans import SpanRecord
 from kvpush.services.telemetry.breakdown import (
     PART_NAMES,
     PARTS,
@@ -25,13 +27,7 @@ from kvpush.services.telemetry.breakdown import (
     breakdowns_from_spans,
     timing_from_spans,
 )
-from kvpush.services.telemetry.spans import (
-    JsonLinesExporter,
-    SpanRecord,
-    read_jsonl,
-    record_from_span,
-    records_from_otlp,
-)
+from kvpush.services.telemetry.spans import read_jsonl, records_from_otlp
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000

@@ -1,7 +1,7 @@
 """Which exporters the standard OTEL_* variables and --trace-file select, and that a configured
 kvpush process really delivers its spans over OTLP/HTTP and OTLP/gRPC to a receiver.
 
-The delivery checks run ``telemetry.configure`` in a child process (it installs the global
+The delivery checks run ``configure_tracing`` in a child process (it installs the global
 tracer provider, which this test process keeps for its in-memory exporter) against receivers
 started here: an aiohttp OTLP/HTTP endpoint and a grpcio TraceService.
 """
@@ -23,8 +23,10 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from kvpush.services.telemetry import setup as tracing
-from kvpush.services.telemetry.spans import JsonLinesExporter, SpanRecord, records_from_otlp
+from kvpush.connector import tracing
+from kvpush.connector.tracing import JsonLinesExporter
+from kvpush.schemas.spans import SpanRecord
+from kvpush.services.telemetry.spans import records_from_otlp
 
 OTEL_VARS = (
     "OTEL_SDK_DISABLED",
@@ -84,13 +86,13 @@ def test_each_variable_selects_its_exporter(clean_env: pytest.MonkeyPatch, tmp_p
 CHILD = textwrap.dedent(
     """
     from opentelemetry import trace
-    from kvpush.services import telemetry
-    assert telemetry.configure("kvpush-child")
+    from kvpush.connector import tracing as telemetry
+    assert telemetry.configure_tracing("kvpush-child")
     tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("gateway.request", attributes={"kvpush.mode": "push"}):
         with tracer.start_as_current_span("gateway.route"):
             pass
-    telemetry.shutdown()
+    telemetry.shutdown_tracing()
     """
 )
 

@@ -27,9 +27,10 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanKind
 from PIL import Image
 
-from kvpush.services.telemetry import ttft, ttft_listen, waterfall
+from kvpush.schemas.spans import SpanRecord
+from kvpush.services.telemetry import ttft, ttft_listen, ttft_report, waterfall
 from kvpush.services.telemetry.breakdown import PART_NAMES
-from kvpush.services.telemetry.spans import SpanRecord, read_jsonl
+from kvpush.services.telemetry.spans import read_jsonl
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
@@ -113,14 +114,14 @@ def summary_of(out: str, label: str) -> list[float]:
 
 
 def test_labels_follow_the_parts() -> None:
-    assert len(ttft.PART_LABELS) == len(PART_NAMES) == len(waterfall.PALETTE)
+    assert len(ttft_report.PART_LABELS) == len(PART_NAMES) == len(waterfall.PALETTE)
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:
-    assert ttft.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert ttft.percentile([0.0, 100.0], 99) == pytest.approx(99.0)
-    assert ttft.percentile([7.0], 99) == 7.0
-    assert ttft.percentile([1.0, 2.0, 3.0], 100) == 3.0
+    assert ttft_report.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert ttft_report.percentile([0.0, 100.0], 99) == pytest.approx(99.0)
+    assert ttft_report.percentile([7.0], 99) == 7.0
+    assert ttft_report.percentile([1.0, 2.0, 3.0], 100) == 3.0
 
 
 def test_table_summary_and_json(
@@ -134,8 +135,8 @@ def test_table_summary_and_json(
         assert shown_mode == mode
         assert numbers == pytest.approx([52.5 * scale, *(p * scale for p in PARTS_MS)], abs=0.01)
     header = next(line for line in out.splitlines() if line.startswith("request"))
-    assert [header.index(label) for label in ttft.PART_LABELS] == sorted(
-        header.index(label) for label in ttft.PART_LABELS
+    assert [header.index(label) for label in ttft_report.PART_LABELS] == sorted(
+        header.index(label) for label in ttft_report.PART_LABELS
     )
     assert "3 complete requests" in out
     assert "skipped 2 traces: 1 without a gateway.request root, 1 without a first byte" in out
@@ -182,7 +183,7 @@ def test_png_is_a_waterfall_of_the_expected_width(
 
 
 def test_waterfall_draws_the_last_rows(span_file: Path) -> None:
-    found = ttft.analyze(read_jsonl(span_file)).breakdowns
+    found = ttft_report.analyze(read_jsonl(span_file)).breakdowns
     three, one = waterfall.render(found), waterfall.render(found, last=1)
     assert three.height - one.height == 2 * waterfall.ROW_HEIGHT
     assert waterfall.render(found, width=800).width == 800
@@ -191,11 +192,14 @@ def test_waterfall_draws_the_last_rows(span_file: Path) -> None:
 
 
 def test_short_id_keeps_the_tail_of_long_ids() -> None:
-    (found,) = ttft.analyze(request_spans(0, 1.0)).breakdowns
-    assert ttft.short_id(found) == "req-000000"
+    (found,) = ttft_report.analyze(request_spans(0, 1.0)).breakdowns
+    assert ttft_report.short_id(found) == "req-000000"
     long = dataclasses.replace(found, request_id="chatcmpl-0123456789abcdef")
-    assert ttft.short_id(long) == "..456789abcdef"
-    assert ttft.short_id(dataclasses.replace(found, request_id="")) == ".." + found.trace_id[-12:]
+    assert ttft_report.short_id(long) == "..456789abcdef"
+    assert (
+        ttft_report.short_id(dataclasses.replace(found, request_id=""))
+        == ".." + found.trace_id[-12:]
+    )
 
 
 def test_no_complete_request_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,11 +26,11 @@ import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import RequestEvent, TokenChunk, WorkerHeartbeat
 from kvpush.services.bench.soak.checks import Observed
-from kvpush.services.bus import Bus
 
 
 @dataclass

@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvpush.connector import Bus, BusConfig
 from kvpush.services import models
 from kvpush.services.bench.serve.systems import Process, free_port
 from kvpush.services.bench.soak.accounting import IdleSample
 from kvpush.services.bench.soak.observer import SoakObserver
-from kvpush.services.bus import Bus, BusConfig
-from kvpush.services.gateway.app import Gateway, GatewayConfig
+from kvpush.services.gateway import Gateway, GatewayConfig
 from kvpush.services.natsd import EmbeddedNats
 
 P, D = "soak-p", "soak-d"

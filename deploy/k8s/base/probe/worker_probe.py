@@ -38,9 +38,9 @@ async def check(mode: str, role: str, env: Mapping[str, str]) -> tuple[bool, str
     """(passed, why) for ``mode`` of the worker named by ``env``."""
     from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
 
+    from kvpush.connector import Bus, BusConfig, BusConnectError
     from kvpush.schemas import codec, subjects
     from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
-    from kvpush.services.bus import Bus, BusConfig, BusConnectError
     from kvpush.services.workers import registry
 
     worker_id = env.get("KVPUSH_WORKER_ID", "")

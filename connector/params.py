@@ -1,0 +1,111 @@
+"""Values of the vLLM adapter that carry no vLLM type: per-request parameters, settings, work.
+
+- ``TransferParams``: what a request carries in ``kv_transfer_params["kvpush"]`` (set by the
+  worker service): mode, transfer id, the two worker ids, deadline, trace context.
+- ``ConnectorSettings``: the engine's ``kv_connector_extra_config`` (worker id, role, NATS URL,
+  side-channel host, timeouts).
+- ``PrefillWork`` / ``DecodeWork``: one request's share of a step, as the scheduler half hands
+  it to the worker half inside ``metadata.KVPushMetadata`` (pickled when the worker runs in
+  another process, so these are msgspec structs).
+
+vLLM-free, so the worker service and the gateway import it without loading vLLM.
+
+Threading model: none (values).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from kvpush.schemas.messages import TransferMode, WorkerRole
+
+PARAMS_KEY = "kvpush"
+
+
+class TransferParams(msgspec.Struct, frozen=True):
+    transfer_id: str
+    prefill_id: str
+    decode_id: str
+    mode: TransferMode = TransferMode.PUSH
+    deadline_ms: int = 0  # unix ms; 0: the connector's transfer_timeout_s from now
+    traceparent: str | None = None
+    prefill_address: str | None = None  # P's side channel (from its heartbeat): liveness probe
+    received_ns: int = 0  # unix ns the worker got the RequestEvent (queue spans start here)
+
+    def to_params(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` dict to put on a request."""
+        return {PARAMS_KEY: msgspec.to_builtins(self)}
+
+    def timeout_s(self, default_s: float) -> float:
+        if not self.deadline_ms:
+            return default_s
+        return max(0.05, self.deadline_ms / 1000.0 - time.time())
+
+
+def read_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams | None:
+    """The request's kvpush parameters, or None for a request that runs like a normal one."""
+    if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
+        return None
+    try:
+        params = msgspec.convert(kv_transfer_params[PARAMS_KEY], TransferParams)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ValueError(f"invalid kv_transfer_params.{PARAMS_KEY}: {exc}") from None
+    return None if params.mode is TransferMode.LOCAL else params
+
+
+class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    role: WorkerRole
+    nats_url: str = "nats://127.0.0.1:4222"
+    model_id: str = ""  # part of the compatibility hash; defaults to the served model name
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    advertise_host: str | None = None
+    transfer_timeout_s: float = 30.0  # a transfer without deadline_ms gets this long
+    abort_ack_timeout_s: float = 2.0  # D waits this long for P's AbortAck before probing P
+    min_transfer_tokens: int = 2  # prompts shorter than this are computed locally on D
+    ucx_error_handling_mode: str = "none"
+    max_pending_announcements: int = 4096
+    # Fault injection for tests and soak runs: P sleeps this long after computing each layer of
+    # a kvpush request's last prefill step (a slow prefill), widening every race window.
+    fault_layer_delay_ms: float = 0.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        try:
+            return msgspec.convert(dict(extra or {}), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(
+                f"kvpush connector: invalid kv_connector_extra_config: {exc}"
+            ) from None
+
+
+class PrefillWork(msgspec.Struct, frozen=True):
+    """P: a request of this step; ``completes`` when this step computes its last prompt token."""
+
+    req_id: str
+    params: TransferParams
+    block_ids: list[int]
+    num_tokens: int
+    completes: bool
+
+
+class ReceiveKind(str, enum.Enum):
+    PUSH = "push"  # expect WRITEs into block_ids, announce them
+    PULL = "pull"  # READ P's blocks into block_ids once KvReady arrives
+    LOCAL = "local"  # no transfer: tell P to drop its side
+    ABORT = "abort"  # the request ended while its receive was in flight
+
+
+class DecodeWork(msgspec.Struct, frozen=True):
+    kind: ReceiveKind
+    req_id: str
+    params: TransferParams
+    block_ids: list[int] = []
+    first_token: int = 0
+    num_tokens: int = 0
+    allocated_ns: int = 0  # unix ns the scheduler allocated the blocks
