@@ -10,7 +10,7 @@ Threading model: see each module; importing this package starts no thread.
 """
 
 from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent, XferStatus
-from kvpush.connector.bus import Bus, BusConfig, BusConnectError
+from kvpush.connector.bus import DEFAULT_NATS_URL, Bus, BusConfig, BusConnectError
 from kvpush.connector.layout import (
     CompatInfo,
     KvRegion,
@@ -42,6 +42,7 @@ VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
 VLLM_CONNECTOR_CLASS = "KVPushConnector"
 
 __all__ = [
+    "DEFAULT_NATS_URL",
     "VLLM_CONNECTOR_CLASS",
     "VLLM_CONNECTOR_MODULE",
     "AgentConfig",

@@ -38,6 +38,7 @@ from opentelemetry.trace import SpanKind
 from kvpush.schemas import codec
 from kvpush.schemas.codec import BusMessage, MessageError
 
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # the one default of every kvpush process
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.bus")
 
@@ -48,7 +49,7 @@ Handler = Callable[[str, BusMessage], Awaitable[None]]
 class BusConfig:
     """How to reach NATS. ``url`` may list several servers separated by commas."""
 
-    url: str = "nats://127.0.0.1:4222"
+    url: str = DEFAULT_NATS_URL
     name: str = "kvpush"
     user: str | None = None
     password: str | None = None

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush.connector.bus import DEFAULT_NATS_URL
 from kvpush.schemas.messages import TransferMode, WorkerRole
 
 PARAMS_KEY = "kvpush"
@@ -60,7 +61,7 @@ def read_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams | N
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_id: str
     role: WorkerRole
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = DEFAULT_NATS_URL
     model_id: str = ""  # part of the compatibility hash; defaults to the served model name
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0

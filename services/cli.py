@@ -285,10 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     _soak_arguments(soak)
     soak.set_defaults(func=_cmd_bench_soak)
 
-    from kvpush.services import up
+    from kvpush.services import up, up_config
     from kvpush.services.workers import config as worker_config
 
-    up.add_arguments(
+    up_config.add_arguments(
         sub.add_parser(
             "up",
             help="embedded default stack: nats-server, tiny model, prefill + decode, gateway",

@@ -1,6 +1,6 @@
 """kvpush up: the embedded default stack in one command.
 
-Starts, in order: nats-server (embedded, or --nats URL for an external one), the model (the tiny
+Starts, in order: nats-server (embedded, or --nats-url URL for an external one), the model (the tiny
 random-weight model, built once into the kvpush cache, or --model DIR), --prefill N prefill and
 --decode N decode workers as child processes, pinned to the cores in turn (P then D: with one
 of each on two cores, P on core 0 and D on core 1), and the OpenAI-compatible gateway on
@@ -35,80 +35,11 @@ from kvpush.connector import Bus, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat
 from kvpush.services.natsd import EmbeddedNats
+from kvpush.services.settings import ConfigError
+from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
 
 PR_SET_PDEATHSIG = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class UpConfig:
-    nats_url: str | None = None  # None: start an embedded nats-server
-    model_dir: str | None = None  # None: the cached tiny model
-    prefill: int = 1
-    decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    mode: str = "push"
-    max_inflight: int | None = None
-    local_threshold: int | None = None
-    trace_file: str | None = None
-    log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
-    start_timeout_s: float = 300.0
-    stop_timeout_s: float = 45.0
-
-    def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 1:
-            raise SystemExit("kvpush up: --prefill must be >= 0 and --decode >= 1")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> UpConfig:
-        nats_url = args.nats or os.environ.get("KVPUSH_NATS_URL") or None
-        model_dir = args.model or os.environ.get("KVPUSH_MODEL") or None
-        fields = {f.name for f in dataclasses.fields(cls)}
-        given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-        return cls(**{**given, "nats_url": nats_url, "model_dir": model_dir})
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add(
-        "--nats",
-        metavar="URL",
-        help="use this NATS server instead of starting one (KVPUSH_NATS_URL)",
-    )
-    add("--model", metavar="DIR", help="model folder (KVPUSH_MODEL; default: the tiny model)")
-    add("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
-    add("--decode", type=int, default=1, metavar="N", help="decode workers (default 1)")
-    add("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
-    add("--port", type=int, default=8000, help="gateway port (default 8000)")
-    add("--mode", choices=("push", "pull"), default="push", help="KV transfer mode (push)")
-    add(
-        "--max-inflight",
-        dest="max_inflight",
-        type=int,
-        metavar="N",
-        help="requests at once per worker (default: the workers' default)",
-    )
-    add(
-        "--local-threshold",
-        dest="local_threshold",
-        type=int,
-        metavar="N",
-        help="prompts under N tokens are served by decode alone (gateway default 256; 0: never)",
-    )
-    add(
-        "--trace-file",
-        dest="trace_file",
-        metavar="PATH",
-        help="every service appends its spans to PATH as JSON lines; then run "
-        "`kvpush ttft PATH --png waterfall.png` for the TTFT breakdown",
-    )
-    add(
-        "--log-dir",
-        dest="log_dir",
-        metavar="DIR",
-        help="children's logs (default ~/.cache/kvpush/logs)",
-    )
 
 
 def say(message: str) -> None:
@@ -210,7 +141,7 @@ class Stack:
             if cfg.max_inflight:
                 argv += ["--max-inflight", str(cfg.max_inflight)]
             self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", [core]))
-        options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode}".split()
+        options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
         argv = [*cli, "gateway", *common, *options]
@@ -293,7 +224,7 @@ class Stack:
         base = f"http://{cfg.host}:{cfg.port}"
         body = f'{{"model": "{self.model_name}", "prompt": "Hello", "max_tokens": 16}}'
         return (
-            f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode}). Try:\n"
+            f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode.value}). Try:\n"
             f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{body}'\n"
             f"TTFT waterfalls of recent requests: {base}/dashboard   metrics: {base}/metrics\n"
@@ -385,5 +316,10 @@ async def run(config: UpConfig) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``kvpush up``."""
-    return asyncio.run(run(UpConfig.from_args(args)))
+    """``kvpush up`` (exit 2 and one line on an unusable setting)."""
+    try:
+        config = UpConfig.from_args(args)
+    except ConfigError as exc:
+        say(f"configuration: {exc}")
+        return 2
+    return asyncio.run(run(config))

@@ -1,9 +1,9 @@
 """The gateway's configuration: ``GatewayConfig``, its flags and environment variables.
 
 ``GatewayConfig.from_args`` is the one place flags and environment variables become config
-(flag > ``KVPUSH_*`` env var > default); ``add_arguments`` declares the flags from the same
-table (``_OPTIONS``: flag, env var, type, help). ``ConfigError`` says which setting is unusable
-and why (the CLI exits 2 with it).
+(flag > ``KVPUSH_*`` env var > default), through the settings table ``SETTINGS`` and
+``kvpush.services.settings`` (the one mechanism of every service). ``ConfigError`` says which
+setting is unusable and why (the CLI exits 2 with it).
 
 Threading model: none (values and pure functions).
 """
@@ -16,15 +16,110 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from kvpush.connector import BusConfig
+from kvpush.connector import DEFAULT_NATS_URL, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import TransferMode
+from kvpush.services import settings
+from kvpush.services.settings import ConfigError, Setting
 
-
-class ConfigError(ValueError):
-    """The gateway's flags, environment or model folder are unusable; says which and why."""
+SETTINGS: tuple[Setting, ...] = (
+    Setting("model", ("--model",), str, "model folder: tokenizer + config.json", metavar="DIR"),
+    Setting(
+        "served_model_name",
+        ("--served-model-name",),
+        str,
+        "model name clients send (default: the stamp's name, else the folder's name)",
+        metavar="NAME",
+    ),
+    Setting("max_model_len", ("--max-model-len",), int, "context length (default: the model's)"),
+    Setting(
+        "host",
+        ("--host",),
+        str,
+        "listen address (default 127.0.0.1)",
+        "KVPUSH_GATEWAY_HOST",
+        metavar="ADDR",
+    ),
+    Setting(
+        "port",
+        ("--port",),
+        int,
+        "listen port (default 8000; 0: any)",
+        "KVPUSH_GATEWAY_PORT",
+        metavar="PORT",
+    ),
+    Setting(
+        "nats_url",
+        ("--nats-url",),
+        str,
+        f"NATS server URL(s), comma separated (default {DEFAULT_NATS_URL})",
+        metavar="URL",
+    ),
+    Setting(
+        "gateway_id",
+        ("--gateway-id",),
+        str,
+        "this gateway's id (default gw-<random>)",
+        metavar="ID",
+    ),
+    Setting(
+        "mode",
+        ("--mode",),
+        TransferMode,
+        "KV transfer mode (default push)",
+        choices=("push", "pull"),
+    ),
+    Setting(
+        "local_threshold",
+        ("--local-threshold",),
+        int,
+        "prompts shorter than this many tokens are served by D alone (default 256; 0: never)",
+    ),
+    Setting(
+        "max_inflight",
+        ("--max-inflight",),
+        int,
+        "requests in flight before 429 (default 256)",
+        "KVPUSH_GATEWAY_MAX_INFLIGHT",
+    ),
+    Setting("request_timeout_s", ("--request-timeout-s",), float, "seconds per request (300)"),
+    Setting(
+        "api_keys",
+        ("--api-key",),
+        str,
+        "accepted Bearer key (repeatable; env: comma list); none: no auth",
+        "KVPUSH_API_KEYS",
+        metavar="KEY",
+        repeat=True,
+    ),
+    Setting(
+        "worker_lease_s",
+        ("--worker-lease-s",),
+        float,
+        "a worker without heartbeat this long is dead (default 3)",
+    ),
+    Setting(
+        "max_body_bytes",
+        ("--max-body-bytes",),
+        int,
+        "largest request body (8 MiB)",
+        metavar="BYTES",
+    ),
+    Setting(
+        "shutdown_grace_s",
+        ("--shutdown-grace-s",),
+        float,
+        "seconds in-flight requests get on SIGTERM (30)",
+    ),
+    Setting(
+        "trace_file",
+        ("--trace-file",),
+        str,
+        "append finished spans to this file as JSON lines (read with `kvpush ttft`)",
+        metavar="PATH",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +129,7 @@ class GatewayConfig:
     max_model_len: int | None = None  # default: stamp max_context / config.json
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str = DEFAULT_NATS_URL
     gateway_id: str = dataclasses.field(default_factory=lambda: f"gw-{secrets.token_hex(4)}")
     mode: TransferMode = TransferMode.PUSH  # deployment default: push or pull
     local_threshold: int = 256  # prompts shorter than this (tokens) go LOCAL; 0 disables
@@ -63,20 +158,11 @@ class GatewayConfig:
         cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None
     ) -> GatewayConfig:
         """Flags (``add_arguments``) > environment (``KVPUSH_*``) > defaults."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for name, (flag, env_name, convert, _help) in _OPTIONS.items():
-            raw = getattr(args, name, None)
-            if raw is None and env_name in env and env[env_name] != "":
-                raw = env[env_name]
-            if raw is None or raw == []:
-                continue
-            try:
-                values[name] = convert(raw)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{flag} / {env_name}: invalid value {raw!r} ({exc})") from None
+        values = settings.read(SETTINGS, args, os.environ if environ is None else environ)
         if "model" not in values:
             raise ConfigError("--model DIR (or KVPUSH_MODEL) is required")
+        if "api_keys" in values:
+            values["api_keys"] = tuple(values["api_keys"])
         try:
             return cls(**values)
         except ValueError as exc:  # includes subjects.SubjectError for a bad gateway id
@@ -86,112 +172,6 @@ class GatewayConfig:
         return BusConfig.from_env(self.nats_url, f"kvpush-gateway-{self.gateway_id}")
 
 
-def _keys(raw: str | list[str]) -> tuple[str, ...]:
-    items = raw.split(",") if isinstance(raw, str) else raw
-    return tuple(k.strip() for k in items if k.strip())
-
-
-_OPTIONS: dict[str, tuple[str, str, Any, str]] = {
-    "model": ("--model", "KVPUSH_MODEL", str, "model folder: tokenizer + config.json"),
-    "served_model_name": (
-        "--served-model-name",
-        "KVPUSH_SERVED_MODEL_NAME",
-        str,
-        "model name clients send (default: the stamp's name, else the folder's name)",
-    ),
-    "max_model_len": (
-        "--max-model-len",
-        "KVPUSH_MAX_MODEL_LEN",
-        int,
-        "context length (default: from the model folder)",
-    ),
-    "host": ("--host", "KVPUSH_GATEWAY_HOST", str, "listen address (default 127.0.0.1)"),
-    "port": ("--port", "KVPUSH_GATEWAY_PORT", int, "listen port (default 8000; 0: any)"),
-    "nats_url": ("--nats-url", "KVPUSH_NATS_URL", str, "NATS server URL(s), comma separated"),
-    "gateway_id": (
-        "--gateway-id",
-        "KVPUSH_GATEWAY_ID",
-        str,
-        "this gateway's id (default gw-<random>)",
-    ),
-    "mode": ("--mode", "KVPUSH_MODE", TransferMode, "KV transfer mode: push (default) or pull"),
-    "local_threshold": (
-        "--local-threshold",
-        "KVPUSH_LOCAL_THRESHOLD",
-        int,
-        "prompts shorter than this many tokens are served by D alone (default 256; 0: never)",
-    ),
-    "max_inflight": (
-        "--max-inflight",
-        "KVPUSH_MAX_INFLIGHT",
-        int,
-        "requests in flight before 429 (256)",
-    ),
-    "request_timeout_s": (
-        "--request-timeout",
-        "KVPUSH_REQUEST_TIMEOUT",
-        float,
-        "seconds per request (300)",
-    ),
-    "api_keys": (
-        "--api-key",
-        "KVPUSH_API_KEYS",
-        _keys,
-        "accepted Bearer key (repeatable; env: comma list); none: no auth",
-    ),
-    "worker_lease_s": (
-        "--worker-lease",
-        "KVPUSH_WORKER_LEASE",
-        float,
-        "seconds without heartbeat = dead (3)",
-    ),
-    "max_body_bytes": (
-        "--max-body-bytes",
-        "KVPUSH_MAX_BODY_BYTES",
-        int,
-        "largest request body (8 MiB)",
-    ),
-    "shutdown_grace_s": (
-        "--shutdown-grace",
-        "KVPUSH_SHUTDOWN_GRACE",
-        float,
-        "seconds in-flight requests get on SIGTERM (30)",
-    ),
-    "trace_file": (
-        "--trace-file",
-        "KVPUSH_TRACE_FILE",
-        str,
-        "append finished spans to this file as JSON lines (read with `kvpush ttft`)",
-    ),
-}
-
-
-_METAVARS = {
-    "trace_file": "PATH",
-    "model": "DIR",
-    "served_model_name": "NAME",
-    "host": "ADDR",
-    "port": "PORT",
-    "nats_url": "URL",
-    "gateway_id": "ID",
-    "api_keys": "KEY",
-    "request_timeout_s": "S",
-    "worker_lease_s": "S",
-    "shutdown_grace_s": "S",
-    "max_body_bytes": "BYTES",
-}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The gateway's flags (all optional here; ``from_args`` applies env and defaults)."""
-    for name, (flag, env_name, convert, text) in _OPTIONS.items():
-        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": f"{text} [{env_name}]"}
-        if name != "mode":
-            kwargs["metavar"] = _METAVARS.get(name, "N")
-        if name == "api_keys":
-            kwargs["action"] = "append"
-        elif name == "mode":
-            kwargs["choices"] = ["push", "pull"]
-        elif convert in (int, float):
-            kwargs["type"] = convert
-        parser.add_argument(flag, **kwargs)
+    settings.add_arguments(parser, SETTINGS)

@@ -1,5 +1,6 @@
 """Worker configuration: the one place where CLI flags and environment variables become a
-``WorkerConfig`` (flag > ``KVPUSH_*`` environment variable > default).
+``WorkerConfig`` (flag > ``KVPUSH_*`` environment variable > default), through the settings
+table ``SETTINGS`` and ``kvpush.services.settings``; an unusable value raises ``ConfigError``.
 
 Also owns the defaults every entry point shares: the worker id (``<role>-<host>-<pid>``), the
 served model (the tiny model, built once into ``models.default_model_cache_dir()``) and the
@@ -19,13 +20,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvpush.connector import VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
+from kvpush.connector import DEFAULT_NATS_URL, VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
-from kvpush.services import models
+from kvpush.services import models, settings
+from kvpush.services.settings import ConfigError, Setting
 from kvpush.services.workers.engine import EngineConfig
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,136 +114,128 @@ def parse_cpus(text: str) -> list[int]:
     return sorted(cores)
 
 
-# (flag dest, environment variable, type) of every worker setting a flag can override
-_SETTINGS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
-    ("worker_id", "KVPUSH_WORKER_ID", str),
-    ("nats_url", "KVPUSH_NATS_URL", str),
-    ("model_dir", "KVPUSH_MODEL", str),
-    ("model_name", "KVPUSH_SERVED_MODEL_NAME", str),
-    ("cpu_cores", "KVPUSH_CPUS", parse_cpus),
-    ("max_inflight", "KVPUSH_WORKER_MAX_INFLIGHT", int),
-    ("max_model_len", "KVPUSH_MAX_MODEL_LEN", int),
-    ("kv_cache_gib", "KVPUSH_KV_CACHE_GIB", int),
-    ("heartbeat_s", "KVPUSH_HEARTBEAT_S", float),
-    ("drain_timeout_s", "KVPUSH_DRAIN_TIMEOUT_S", float),
-    ("transfer_timeout_s", "KVPUSH_TRANSFER_TIMEOUT_S", float),
-    ("side_channel_host", "KVPUSH_SIDE_CHANNEL_HOST", str),
-    ("side_channel_port", "KVPUSH_SIDE_CHANNEL_PORT", int),
-    ("registry_replicas", "KVPUSH_REGISTRY_REPLICAS", int),
-    ("prefill_lease_s", "KVPUSH_PREFILL_LEASE_S", float),
-    ("fault_layer_delay_ms", "KVPUSH_FAULT_LAYER_DELAY_MS", float),  # no flag: tests only
-    ("advertise_host", "KVPUSH_ADVERTISE_HOST", str),
-    ("log_level", "KVPUSH_LOG_LEVEL", str),
-    ("trace_file", "KVPUSH_TRACE_FILE", str),
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "worker_id",
+        ("--worker-id", "--id"),
+        str,
+        "worker id, [A-Za-z0-9_-] (default <role>-<hostname>-<pid>)",
+        metavar="ID",
+    ),
+    Setting(
+        "nats_url",
+        ("--nats-url", "--nats"),
+        str,
+        f"NATS server(s), comma separated (default {DEFAULT_NATS_URL})",
+        metavar="URL",
+    ),
+    Setting(
+        "model_dir",
+        ("--model",),
+        str,
+        "model folder (default: the tiny model, built once into the kvpush cache)",
+        metavar="DIR",
+    ),
+    Setting(
+        "model_name",
+        ("--served-model-name",),
+        str,
+        "model name clients ask for (default: the model's recipe name or folder name)",
+        metavar="NAME",
+    ),
+    Setting(
+        "cpu_cores",
+        ("--cpus",),
+        parse_cpus,
+        "pin the engine to these cores, e.g. 0 or 0-3 (default: not pinned)",
+        metavar="LIST",
+    ),
+    Setting(
+        "max_inflight",
+        ("--max-inflight",),
+        int,
+        "requests at once; more are refused at once (default 64)",
+        "KVPUSH_WORKER_MAX_INFLIGHT",
+    ),
+    Setting(
+        "max_model_len",
+        ("--max-model-len",),
+        int,
+        "context length (default: the model's, else 4096)",
+    ),
+    Setting(
+        "kv_cache_gib", ("--kv-cache-gib",), int, "KV cache size on CPU (default 1)", metavar="GIB"
+    ),
+    Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 1)"),
+    Setting(
+        "drain_timeout_s",
+        ("--drain-timeout-s",),
+        float,
+        "on SIGTERM, abort what is still running after this long (default 30)",
+    ),
+    Setting(
+        "transfer_timeout_s",
+        ("--transfer-timeout-s",),
+        float,
+        "KV transfer timeout for requests without a deadline (default 30)",
+    ),
+    Setting(
+        "side_channel_host",
+        ("--side-channel-host",),
+        str,
+        "address the connector's side channel binds (default 127.0.0.1)",
+        metavar="HOST",
+    ),
+    Setting(
+        "side_channel_port",
+        ("--side-channel-port",),
+        int,
+        "port of the side channel (default 0: any free port; fix it for firewalls/k8s)",
+        metavar="PORT",
+    ),
+    Setting(
+        "advertise_host",
+        ("--advertise-host",),
+        str,
+        "address peers reach the side channel at (default: the bound one)",
+        metavar="HOST",
+    ),
+    Setting(
+        "registry_replicas",
+        ("--registry-replicas",),
+        int,
+        "JetStream replicas of the worker registry (default 1; 3 on a 3-server cluster)",
+    ),
+    Setting(
+        "prefill_lease_s",
+        ("--prefill-lease-s",),
+        float,
+        "decode: a prefill worker silent this long is probed (default 3)",
+    ),
+    Setting(
+        "fault_layer_delay_ms",
+        ("--fault-layer-delay-ms",),
+        float,
+        "fault injection (tests, soak): P sleeps this long per layer",
+        flag=False,
+    ),
+    Setting(
+        "log_level", ("--log-level",), str, "DEBUG, INFO, WARNING (default INFO)", metavar="LEVEL"
+    ),
+    Setting(
+        "trace_file",
+        ("--trace-file",),
+        str,
+        "append finished spans to PATH as JSON lines (read them with `kvpush ttft`); "
+        "OTEL_EXPORTER_OTLP_ENDPOINT etc. send them to a collector instead or as well",
+        metavar="PATH",
+    ),
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvpush prefill`` and ``kvpush decode`` (each has a KVPUSH_* variable)."""
-    add = parser.add_argument
-    add(
-        "--id",
-        dest="worker_id",
-        metavar="ID",
-        help="worker id, [A-Za-z0-9_-] (KVPUSH_WORKER_ID; default <role>-<hostname>-<pid>)",
-    )
-    add(
-        "--nats",
-        "--nats-url",
-        dest="nats_url",
-        metavar="URL",
-        help=f"NATS server(s), comma separated (KVPUSH_NATS_URL; default {DEFAULT_NATS_URL})",
-    )
-    add(
-        "--model",
-        dest="model_dir",
-        metavar="DIR",
-        help="model folder (KVPUSH_MODEL; default: "
-        "the tiny model, built once into the kvpush cache)",
-    )
-    add(
-        "--served-model-name",
-        dest="model_name",
-        metavar="NAME",
-        help="model name clients "
-        "ask for (KVPUSH_SERVED_MODEL_NAME; default: the model's recipe name or folder name)",
-    )
-    add(
-        "--cpus",
-        dest="cpu_cores",
-        type=parse_cpus,
-        metavar="LIST",
-        help="pin the engine to these cores, e.g. 0 or 0-3 (KVPUSH_CPUS; default: not pinned)",
-    )
-    add(
-        "--max-inflight",
-        dest="max_inflight",
-        type=int,
-        metavar="N",
-        help="requests at once; more are refused at once (KVPUSH_WORKER_MAX_INFLIGHT; default 64)",
-    )
-    add(
-        "--max-model-len",
-        dest="max_model_len",
-        type=int,
-        metavar="N",
-        help="context length (KVPUSH_MAX_MODEL_LEN; default: the model's, else 4096)",
-    )
-    add(
-        "--kv-cache-gib",
-        dest="kv_cache_gib",
-        type=int,
-        metavar="GIB",
-        help="KV cache size on CPU (KVPUSH_KV_CACHE_GIB; default 1)",
-    )
-    add(
-        "--heartbeat-s",
-        dest="heartbeat_s",
-        type=float,
-        metavar="S",
-        help="heartbeat period (KVPUSH_HEARTBEAT_S; default 1)",
-    )
-    add(
-        "--drain-timeout-s",
-        dest="drain_timeout_s",
-        type=float,
-        metavar="S",
-        help="on SIGTERM, abort what is still running after this long (default 30)",
-    )
-    add(
-        "--transfer-timeout-s",
-        dest="transfer_timeout_s",
-        type=float,
-        metavar="S",
-        help="KV transfer timeout for requests without a deadline (default 30)",
-    )
-    add(
-        "--side-channel-host",
-        dest="side_channel_host",
-        metavar="HOST",
-        help="address the connector's side channel binds (default 127.0.0.1)",
-    )
-    add(
-        "--side-channel-port",
-        dest="side_channel_port",
-        type=int,
-        metavar="PORT",
-        help="port of the side channel (default 0: any free port; fix it for firewalls/k8s)",
-    )
-    add(
-        "--advertise-host",
-        dest="advertise_host",
-        metavar="HOST",
-        help="address peers reach the side channel at (default: the bound one)",
-    )
-    add("--log-level", dest="log_level", metavar="LEVEL", help="DEBUG, INFO, WARNING (INFO)")
-    add(
-        "--trace-file",
-        dest="trace_file",
-        metavar="PATH",
-        help="append finished spans to PATH as JSON lines (read them with `kvpush ttft`); "
-        "OTEL_EXPORTER_OTLP_ENDPOINT etc. send them to a collector instead or as well",
-    )
+    settings.add_arguments(parser, SETTINGS)
 
 
 def config_from_args(
@@ -251,22 +243,12 @@ def config_from_args(
 ) -> WorkerConfig:
     """Build the worker's config: a flag wins over its environment variable, which wins over
     the default. Builds the tiny model when no model is given."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for name, variable, cast in _SETTINGS:
-        value = getattr(args, name, None)
-        if value is None and env.get(variable):
-            try:
-                value = cast(env[variable])
-            except ValueError as exc:
-                raise SystemExit(f"invalid {variable}={env[variable]!r}: {exc}") from None
-        if value is not None:
-            values[name] = value
+    values = settings.read(SETTINGS, args, os.environ if env is None else env)
     values["worker_id"] = values.get("worker_id") or default_worker_id(role)
     try:
         subjects.check_id(values["worker_id"])
     except subjects.SubjectError as exc:
-        raise SystemExit(str(exc)) from None
+        raise ConfigError(str(exc)) from None
     values["model_dir"] = str(Path(values.get("model_dir") or default_model_dir()).resolve())
     values.setdefault("model_name", model_name_of(values["model_dir"]))
     if "max_model_len" not in values:

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import sys
 import time
 from collections import OrderedDict
 from typing import Any, ClassVar
@@ -46,6 +47,7 @@ from kvpush.schemas.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
+from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.engine import EngineHost, RequestHandle
 from kvpush.services.workers.registry import Registry
@@ -364,8 +366,13 @@ class Worker:
 
 
 def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
-    """Entry point of ``kvpush prefill`` / ``kvpush decode``: config, logging, run."""
-    config = config_from_args(worker_cls.role, args)
+    """Entry point of ``kvpush prefill`` / ``kvpush decode``: config, logging, run (exit 2 and
+    one line on an unusable setting)."""
+    try:
+        config = config_from_args(worker_cls.role, args)
+    except ConfigError as exc:
+        print(f"kvpush {worker_cls.role.value}: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {config.worker_id} %(name)s: %(message)s",

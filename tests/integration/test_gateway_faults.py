@@ -176,7 +176,7 @@ async def test_sigterm_drains_in_flight_requests_then_serve_returns_0(
             str(port),
             "--nats-url",
             nats_server.url,
-            "--worker-lease",
+            "--worker-lease-s",
             "0.5",
         ]
     )

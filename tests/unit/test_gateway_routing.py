@@ -186,7 +186,7 @@ def test_config_flags_beat_env_and_env_beats_defaults() -> None:
         ((), {}),
         (("--model", "m", "--gateway-id", "bad.id"), {}),
         (("--model", "m", "--max-inflight", "0"), {}),
-        (("--model", "m"), {"KVPUSH_REQUEST_TIMEOUT": "soon"}),
+        (("--model", "m"), {"KVPUSH_REQUEST_TIMEOUT_S": "soon"}),
         (("--model", "m"), {"KVPUSH_MODE": "local"}),
     ],
 )

@@ -1,0 +1,114 @@
+"""``kvpush up``'s configuration: ``UpConfig`` and its settings table (flags, ``KVPUSH_*``
+variables), read through ``kvpush.services.settings`` like every other service's.
+
+Threading model: none (values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvpush.schemas.messages import TransferMode
+from kvpush.services import settings
+from kvpush.services.settings import ConfigError, Setting
+
+
+@dataclasses.dataclass(frozen=True)
+class UpConfig:
+    nats_url: str | None = None  # None: start an embedded nats-server
+    model_dir: str | None = None  # None: the cached tiny model
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: TransferMode = TransferMode.PUSH
+    max_inflight: int | None = None
+    local_threshold: int | None = None
+    trace_file: str | None = None
+    log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 45.0
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ConfigError("--prefill must be >= 0 and --decode >= 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
+        """Flags > ``KVPUSH_*`` variables > defaults (``SETTINGS``)."""
+        return cls(**settings.read(SETTINGS, args, os.environ if env is None else env))
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "nats_url",
+        ("--nats-url", "--nats"),
+        str,
+        "use this NATS server instead of starting one",
+        metavar="URL",
+    ),
+    Setting(
+        "model_dir", ("--model",), str, "model folder (default: the tiny model)", metavar="DIR"
+    ),
+    Setting("prefill", ("--prefill",), int, "prefill workers (default 1)", "KVPUSH_UP_PREFILL"),
+    Setting("decode", ("--decode",), int, "decode workers (default 1)", "KVPUSH_UP_DECODE"),
+    Setting(
+        "host",
+        ("--host",),
+        str,
+        "gateway address (default 127.0.0.1)",
+        "KVPUSH_GATEWAY_HOST",
+        metavar="ADDR",
+    ),
+    Setting(
+        "port",
+        ("--port",),
+        int,
+        "gateway port (default 8000)",
+        "KVPUSH_GATEWAY_PORT",
+        metavar="PORT",
+    ),
+    Setting(
+        "mode",
+        ("--mode",),
+        TransferMode,
+        "KV transfer mode (default push)",
+        choices=("push", "pull"),
+    ),
+    Setting(
+        "max_inflight",
+        ("--max-inflight",),
+        int,
+        "requests at once per worker (default: the workers' default)",
+        "KVPUSH_WORKER_MAX_INFLIGHT",
+    ),
+    Setting(
+        "local_threshold",
+        ("--local-threshold",),
+        int,
+        "prompts under N tokens are served by decode alone (gateway default 256; 0: never)",
+    ),
+    Setting(
+        "trace_file",
+        ("--trace-file",),
+        str,
+        "every service appends its spans to PATH as JSON lines; then run "
+        "`kvpush ttft PATH --png waterfall.png` for the TTFT breakdown",
+        metavar="PATH",
+    ),
+    Setting(
+        "log_dir",
+        ("--log-dir",),
+        str,
+        "children's logs (default ~/.cache/kvpush/logs)",
+        metavar="DIR",
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    settings.add_arguments(parser, SETTINGS)

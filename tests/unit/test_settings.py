@@ -1,0 +1,98 @@
+"""The one settings mechanism (``kvpush.services.settings``) and the three tables built on it:
+gateway, workers, ``kvpush up``."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpush.schemas.messages import WorkerRole
+from kvpush.services import settings
+from kvpush.services.gateway import config as gateway_config
+from kvpush.services.settings import ConfigError, Setting
+from kvpush.services.up_config import SETTINGS as UP_SETTINGS
+from kvpush.services.up_config import UpConfig
+from kvpush.services.workers import config as worker_config
+
+TABLES = {
+    "gateway": gateway_config.SETTINGS,
+    "worker": worker_config.SETTINGS,
+    "up": UP_SETTINGS,
+}
+TABLE = (
+    Setting("size", ("--size",), int, "how many"),
+    Setting("wait_s", ("--wait-s", "--wait"), float, "how long", "KVPUSH_TEST_WAIT"),
+    Setting("keys", ("--key",), str, "keys", repeat=True),
+    Setting("secret_ms", ("--secret-ms",), float, "no flag", flag=False),
+)
+
+
+def parse(table: tuple[Setting, ...], *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, table)
+    return parser.parse_args(argv)
+
+
+def test_flag_beats_variable_and_absent_settings_are_left_to_the_defaults() -> None:
+    env = {
+        "KVPUSH_SIZE": "3",
+        "KVPUSH_TEST_WAIT": "1.5",
+        "KVPUSH_KEY": "a, b,",
+        "KVPUSH_SECRET_MS": "",
+    }
+    assert settings.read(TABLE, parse(TABLE), env) == {"size": 3, "wait_s": 1.5, "keys": ["a", "b"]}
+    given = parse(TABLE, "--size", "4", "--wait", "2", "--key", "x", "--key", "y")
+    assert settings.read(TABLE, given, env) == {"size": 4, "wait_s": 2.0, "keys": ["x", "y"]}
+    assert settings.read(TABLE, parse(TABLE), {}) == {}
+    assert settings.read(TABLE, parse(TABLE), {"KVPUSH_SECRET_MS": "5"}) == {"secret_ms": 5.0}
+    with pytest.raises(SystemExit):
+        parse(TABLE, "--secret-ms", "5")  # environment only: no such flag
+
+
+def test_a_bad_value_names_its_source() -> None:
+    with pytest.raises(ConfigError, match="KVPUSH_SIZE: invalid value 'many'"):
+        settings.read(TABLE, parse(TABLE), {"KVPUSH_SIZE": "many"})
+    with pytest.raises(SystemExit) as exc:
+        parse(TABLE, "--size", "many")  # argparse's one-line usage error
+    assert exc.value.code == 2
+
+
+def test_help_names_every_variable() -> None:
+    for name, table in TABLES.items():
+        parser = argparse.ArgumentParser()
+        settings.add_arguments(parser, table)
+        text = parser.format_help().replace("\n", " ")
+        for row in table:
+            if row.flag:
+                assert f"[{row.variable}]" in " ".join(text.split()), (name, row.name)
+
+
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_variable_names_are_consistent(name: str) -> None:
+    table = TABLES[name]
+    variables = [row.variable for row in table]
+    assert len(set(variables)) == len(variables)
+    for row in table:
+        assert row.variable.startswith("KVPUSH_"), row
+        if row.name.endswith("_s"):
+            assert row.flags[0].endswith("-s") and row.variable.endswith("_S"), row
+
+
+def test_a_variable_shared_by_two_services_means_the_same_there() -> None:
+    parse_of: dict[str, object] = {}
+    for table in TABLES.values():
+        for row in table:
+            assert parse_of.setdefault(row.variable, row.parse) is row.parse, row.variable
+
+
+def test_worker_and_up_configs_raise_config_errors_not_exits(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = parser.parse_args(["--worker-id", "bad.id", "--model", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"bad\.id"):
+        worker_config.config_from_args(WorkerRole.DECODE, args, {})
+    up_args = parse(UP_SETTINGS, "--decode", "0")
+    with pytest.raises(ConfigError, match="--decode"):
+        UpConfig.from_args(up_args, {})
+    assert UpConfig.from_args(parse(UP_SETTINGS), {"KVPUSH_UP_PREFILL": "2"}).prefill == 2
