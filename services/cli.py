@@ -318,8 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kvpush.services.settings import ConfigError
+
     try:
         return int(args.func(args) or 0)
+    except ConfigError as exc:  # an unusable flag or variable: one line, exit status 2
+        print(f"kvpush: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

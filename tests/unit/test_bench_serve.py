@@ -28,6 +28,7 @@ from kvpush.services.bench.serve import (
 )
 from kvpush.services.bench.serve.loadgen import RequestResult
 from kvpush.services.gateway.metrics import GatewayMetrics
+from kvpush.services.settings import ConfigError
 from tests.http_server import serving, serving_completions
 
 FIRST_DELAY_S = 0.05
@@ -178,9 +179,9 @@ def test_tables_option_and_its_cross_product_form() -> None:
     assert quick.tables == (plan.Table("random", 512),) and quick.repeats == 2
     assert plan.from_args(_args("--quick")).repeats == 1
     for bad in (("--tables", "poems:512"), ("--tables", "random"), ("--repeats", "0")):
-        with pytest.raises(SystemExit):
+        with pytest.raises(ConfigError):
             plan.from_args(_args(*bad))
-    with pytest.raises(SystemExit, match="not both"):
+    with pytest.raises(ConfigError, match="not both"):
         plan.from_args(_args("--tables", "random:512", "--input-lens", "512"))
 
 

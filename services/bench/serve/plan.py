@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from kvpush.services.bench.serve import ALL_SYSTEMS, CAPACITY_FRACTIONS, DEFAULT_TABLES
 from kvpush.services.bench.serve.loadgen import LoadPoint
+from kvpush.services.settings import ConfigError
 
 DATASETS = ("random", "sonnet")
 
@@ -148,7 +149,7 @@ def from_args(args: argparse.Namespace) -> Plan:
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = sorted(set(systems) - set(ALL_SYSTEMS))
     if unknown or not systems:
-        raise SystemExit(f"kvpush bench serve: unknown system(s) {unknown}; know {ALL_SYSTEMS}")
+        raise ConfigError(f"kvpush bench serve: unknown system(s) {unknown}; know {ALL_SYSTEMS}")
     try:
         if args.tables and (args.datasets or args.input_lens):
             raise ValueError("give --tables or --datasets/--input-lens, not both")
@@ -161,7 +162,7 @@ def from_args(args: argparse.Namespace) -> Plan:
         else:
             tables = parse_tables(DEFAULT_TABLES)
     except ValueError as exc:
-        raise SystemExit(f"kvpush bench serve: {exc}") from None
+        raise ConfigError(f"kvpush bench serve: {exc}") from None
     qps, conc = str(args.qps), tuple(args.concurrency)
     repeats, duration, min_requests = args.repeats, args.duration, args.min_requests
     if args.quick:
@@ -170,10 +171,10 @@ def from_args(args: argparse.Namespace) -> Plan:
         repeats = 1 if repeats is None else repeats
     repeats = 3 if repeats is None else repeats
     if repeats < 1:
-        raise SystemExit("kvpush bench serve: --repeats must be at least 1")
+        raise ConfigError("kvpush bench serve: --repeats must be at least 1")
     if qps != "auto":
         try:
             fixed_rates(qps)
         except ValueError:
-            raise SystemExit(f"kvpush bench serve: --qps {qps!r}: rates or 'auto'") from None
+            raise ConfigError(f"kvpush bench serve: --qps {qps!r}: rates or 'auto'") from None
     return Plan(systems, tables, qps, conc, repeats, duration, min_requests, args.output_len)
