@@ -10,6 +10,7 @@ Threading model: see each module; importing this package starts no thread.
 """
 
 from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent, XferStatus
+from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.bus import DEFAULT_NATS_URL, Bus, BusConfig, BusConnectError
 from kvpush.connector.layout import (
     CompatInfo,
@@ -40,14 +41,19 @@ from kvpush.connector.vllm.runtime import ConnectorInfo
 
 VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
 VLLM_CONNECTOR_CLASS = "KVPushConnector"
+FAULTS_CONNECTOR_MODULE = "kvpush.connector.vllm.faults"  # tests and soak runs only
+FAULTS_CONNECTOR_CLASS = "SlowPrefillConnector"
 
 __all__ = [
     "DEFAULT_NATS_URL",
+    "FAULTS_CONNECTOR_CLASS",
+    "FAULTS_CONNECTOR_MODULE",
     "VLLM_CONNECTOR_CLASS",
     "VLLM_CONNECTOR_MODULE",
     "AgentConfig",
     "AgentError",
     "Backend",
+    "BoundedDict",
     "Bus",
     "BusConfig",
     "BusConnectError",

@@ -16,7 +16,6 @@ is injectable for tests.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import msgspec
 import numpy as np
 
 from kvpush.connector.agent import AgentError, NixlAgent, XferStatus
+from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.layout import (
     PoolLayout,
     Runs,
@@ -84,8 +84,8 @@ class TransferEngine:
         self.clock = clock
         self.peers: dict[str, PeerLink] = {}
         self.transfers: dict[str, Transfer] = {}
-        self._early: OrderedDict[str, NoticeKind] = OrderedDict()
-        self.ended: OrderedDict[str, TransferState] = OrderedDict()  # reaped; bounded
+        self._early: BoundedDict[str, NoticeKind] = BoundedDict(max_early_notices)
+        self.ended: BoundedDict[str, TransferState] = BoundedDict(max_transfers)  # reaped
 
     # ---- creating ---------------------------------------------------------------------------
     def _new(
@@ -354,8 +354,6 @@ class TransferEngine:
             if t.state.terminal and t.quiesced:
                 del self.transfers[t.transfer_id]
                 self.ended[t.transfer_id] = t.state
-                while len(self.ended) > self.max_transfers:
-                    self.ended.popitem(last=False)
         return events
 
     def _advance(self, t: Transfer, now: float) -> None:
@@ -395,8 +393,6 @@ class TransferEngine:
         t = self.transfers.get(notice.transfer_id)
         if t is None:  # not expected yet (or already forgotten): keep it, bounded
             self._early[notice.transfer_id] = notice.kind
-            while len(self._early) > self.max_early_notices:
-                self._early.popitem(last=False)
             return
         if t.initiator:
             log.warning(

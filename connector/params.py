@@ -71,9 +71,6 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     min_transfer_tokens: int = 2  # prompts shorter than this are computed locally on D
     ucx_error_handling_mode: str = "none"
     max_pending_announcements: int = 4096
-    # Fault injection for tests and soak runs: P sleeps this long after computing each layer of
-    # a kvpush request's last prefill step (a slow prefill), widening every race window.
-    fault_layer_delay_ms: float = 0.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

@@ -17,12 +17,13 @@ metadata (an opaque byte string); ``pool`` is plain integers; descriptors are bu
 
 Threading model:
 - ``SideChannelServer`` runs one daemon thread that owns its zmq socket; it polls with a 100 ms
-  timeout to notice ``stop()``. It only ever sends a pre-encoded reply (swapped atomically by
-  ``update``), so it never touches NIXL.
+  timeout to notice ``stop()``. It only ever sends its one pre-encoded reply, so it never
+  touches NIXL.
 - ``fetch_peer`` is blocking and bounded by ``timeout_s``; it opens a fresh REQ socket per call
   (no stuck REQ state after a timeout) with LINGER 0.
-- ``PeerCache`` runs fetches on a small thread pool (``request`` returns a Future); the cache
-  itself is only read and written by its owner thread (the transfer engine, under its lock).
+- ``HandshakeFetches`` runs fetches on a small thread pool (``request`` returns a Future); its
+  table of fetches in flight is only read and written by its owner thread (the transport, under
+  its lock). Peers once fetched are the transfer engine's (``PeerLink``), not kept here.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import zmq
 
+from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.layout import CompatInfo, PoolLayout, compat_diff, compat_hash
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class SideChannelServer:
     ) -> None:
         self._info = info
         self._token = token or None
-        self._nonces: OrderedDict[bytes, None] = OrderedDict()
+        self._nonces: BoundedDict[bytes, None] = BoundedDict(NONCE_MEMORY)
         self._reply = _encoder.encode(info)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -144,10 +145,6 @@ class SideChannelServer:
         if host in ("0.0.0.0", "*"):
             raise ValueError("bound to all interfaces: give an advertise host peers can reach")
         return f"tcp://{host}:{self.port}"
-
-    def update(self, info: PeerInfo) -> None:
-        """Serve new metadata (e.g. after more memory was registered); atomic for readers."""
-        self._info, self._reply = info, _encoder.encode(info)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -193,8 +190,6 @@ class SideChannelServer:
         if not hmac.compare_digest(want, hello.mac) or hello.nonce in self._nonces:
             return False
         self._nonces[hello.nonce] = None
-        while len(self._nonces) > NONCE_MEMORY:
-            self._nonces.popitem(last=False)
         return True
 
     def stop(self) -> None:
@@ -240,12 +235,11 @@ def fetch_peer(
     return reply
 
 
-class PeerCache:
-    """``address -> PeerInfo`` fetched once per peer epoch; fetches run off the owner thread.
+class HandshakeFetches:
+    """The side-channel fetches in flight, by peer address; they run off the owner thread.
 
-    ``request`` starts (or joins) a fetch and returns its Future; ``get`` returns the cached
-    info when its epoch matches (``epoch=None`` accepts any); ``invalidate`` forgets a peer.
-    Bound: one in-flight fetch per address, ``max_workers`` fetches at a time.
+    ``request`` starts (or joins) a fetch and returns its Future; ``settle`` takes a finished
+    one's outcome. Bound: one in-flight fetch per address, ``max_workers`` fetches at a time.
     """
 
     def __init__(
@@ -262,14 +256,7 @@ class PeerCache:
         self.timeout_s = timeout_s
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpush-hs")
-        self._cache: dict[str, PeerInfo] = {}
         self._pending: dict[str, Future[PeerInfo]] = {}
-
-    def get(self, address: str, epoch: int | None = None) -> PeerInfo | None:
-        info = self._cache.get(address)
-        if info is not None and epoch is not None and info.epoch != epoch:
-            return None
-        return info
 
     def request(self, address: str) -> Future[PeerInfo]:
         future = self._pending.get(address)
@@ -287,7 +274,7 @@ class PeerCache:
         return future
 
     def settle(self, address: str) -> PeerInfo | BaseException | None:
-        """The outcome of a finished fetch (cached on success), or None while pending."""
+        """The outcome of a finished fetch, or None while it is still running."""
         future = self._pending.get(address)
         if future is None or not future.done():
             return None
@@ -295,15 +282,10 @@ class PeerCache:
         exc = future.exception()
         if exc is not None:
             return exc
-        info = future.result()
-        self._cache[address] = info
-        return info
+        return future.result()
 
     def pending(self) -> list[str]:
         return list(self._pending)
-
-    def invalidate(self, address: str) -> PeerInfo | None:
-        return self._cache.pop(address, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

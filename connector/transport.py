@@ -42,8 +42,8 @@ from kvpush.connector.layout import CompatInfo, PoolLayout, Runs, compat_hash, g
 from kvpush.connector.layout import per_block_descs as _per_block_descs
 from kvpush.connector.sidechannel import (
     HandshakeError,
+    HandshakeFetches,
     IncompatiblePeerError,
-    PeerCache,
     PeerInfo,
     SideChannelServer,
     TransportError,
@@ -131,7 +131,7 @@ class KvTransport:
         except Exception:
             self._agent.close()
             raise
-        self._peers = PeerCache(
+        self._peers = HandshakeFetches(
             config.compat, self.agent_name, config.handshake_timeout_s, token=config.token
         )
         self.on_change: Callable[[], None] | None = None  # set by a Poller: wake it up
@@ -182,7 +182,6 @@ class KvTransport:
         if outcome is None:
             return None
         if isinstance(outcome, PeerInfo) and geometry_diff(self.layout, outcome.pool):
-            self._peers.invalidate(address)
             outcome = IncompatiblePeerError(address, geometry_diff(self.layout, outcome.pool))
         if isinstance(outcome, PeerInfo):
             try:
@@ -196,7 +195,6 @@ class KvTransport:
                         name, _per_block_descs(outcome.pool), outcome.pool.mem_type
                     )
             except AgentError as exc:
-                self._peers.invalidate(address)
                 self._engine.fail_waiting(address, FailReason.HANDSHAKE, str(exc))
                 return exc
             self._engine.attach(address, PeerLink(info=outcome, agent_name=name, prep=prep))
@@ -212,7 +210,6 @@ class KvTransport:
 
     def _drop(self, address: str, why: str) -> None:
         link = self._engine.detach(address, why)
-        self._peers.invalidate(address)
         if link is not None:
             if link.prep is not None:
                 self._agent.unprep(link.prep)

@@ -48,7 +48,7 @@ class KVPushConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
-        settings = ConnectorSettings.from_extra_config(transfer_config.kv_connector_extra_config)
+        settings = self.settings_from(transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         # An engine in its own process traces only if the worker passed KVPUSH_TRACE_FILE or
         # OTEL_* down; in the worker's process this finds the provider already installed.
@@ -61,6 +61,11 @@ class KVPushConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             model_id = settings.model_id or str(model.served_model_name or model.model)
             self._worker = WorkerHalf(settings, model_id, str(model.dtype), block_size)
+
+    @classmethod
+    def settings_from(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """The connector's settings from ``kv_connector_extra_config`` (unknown keys refused)."""
+        return ConnectorSettings.from_extra_config(extra)
 
     # ---- what an in-process driver reads (kvpush.connector.EngineLink) ---------------------
     @property

@@ -8,6 +8,16 @@ quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in fl
 come), or P declared dead (its side channel stopped answering after an abort went unanswered).
 A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3).
 
+States of an ``Incoming`` (one transition method, ``advance``)::
+
+    WAITING --> RECEIVING --> ABORTING --> SETTLED
+       |            |                        ^
+       +------------+------------------------+
+
+WAITING: pull mode before P's KvReady (nothing posted yet). RECEIVING: push announced and
+expected, or the pull's READ posted. ABORTING: we aborted a started receive and wait for P's
+AbortAck, its notice or its death. SETTLED: a quiesced outcome (``outcome``); reported once.
+
 Threading model: ``on_bus`` runs on the bus thread, ``on_work``/``collect`` on the engine
 thread; both take ``self.lock``. The liveness probe of a silent peer runs on a short-lived
 thread and reports back through ``self.lock``.
@@ -15,10 +25,10 @@ thread and reports back through ``self.lock``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
@@ -28,6 +38,7 @@ from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
+from kvpush.connector.vllm.side import SideBase, check_transition
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -41,21 +52,54 @@ from kvpush.schemas.messages import (
 log = logging.getLogger(__name__)
 
 
+class IncomingState(str, enum.Enum):
+    WAITING = "waiting"
+    RECEIVING = "receiving"
+    ABORTING = "aborting"
+    SETTLED = "settled"
+
+
+_I = IncomingState
+_ALLOWED: dict[IncomingState, frozenset[IncomingState]] = {
+    _I.WAITING: frozenset({_I.RECEIVING, _I.SETTLED}),
+    _I.RECEIVING: frozenset({_I.ABORTING, _I.SETTLED}),
+    _I.ABORTING: frozenset({_I.SETTLED}),
+    _I.SETTLED: frozenset(),
+}
+
+
 @dataclass(eq=False)
 class Incoming:
     work: DecodeWork
     deadline: float
     peer: str | None = None  # P's side channel once known (pull: KvReady; push: its WRITE)
-    started: bool = False
-    abort_sent_at: float | None = None
+    state: IncomingState = IncomingState.WAITING
+    abort_sent_at: float | None = None  # set when we aborted (ABORTING, or WAITING -> SETTLED)
     probing: bool = False
-    outcome: TransferState | None = None
+    outcome: TransferState | None = None  # set with SETTLED
     failed: bool = False
     request_ended: bool = False
     waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
 
+    def advance(self, new: IncomingState, outcome: TransferState | None = None) -> None:
+        """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""
+        check_transition(_ALLOWED, self.state, new, f"incoming {self.work.params.transfer_id}")
+        self.state = new
+        if new is IncomingState.SETTLED:
+            self.outcome = outcome
+            self.failed = outcome is not TransferState.DONE
 
-class DecodeSide:
+    @property
+    def started(self) -> bool:
+        """Something was posted or expected: only P's word (or death) can end it now."""
+        return self.state in (IncomingState.RECEIVING, IncomingState.ABORTING)
+
+    @property
+    def settled(self) -> bool:
+        return self.state is IncomingState.SETTLED
+
+
+class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -64,14 +108,8 @@ class DecodeSide:
         runtime: WorkerRuntime,
         block_size: int,
     ) -> None:
-        self.settings = settings
-        self.transport = transport
-        self.bus = bus
-        self.runtime = runtime
+        super().__init__(settings, transport, bus, runtime)
         self.block_size = block_size
-        self.lock = threading.RLock()
-        self._by_tid: dict[str, Incoming] = {}
-        self._early: OrderedDict[str, KvReady | KvFailed | AbortAck] = OrderedDict()
         self._probing: set[str] = set()  # suspected peers being probed
         me = settings.worker_id
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
@@ -84,13 +122,8 @@ class DecodeSide:
         if not isinstance(message, (KvReady, KvFailed, AbortAck)):
             return
         with self.lock:
-            inc = self._by_tid.get(message.transfer_id)
-            if inc is None:
-                self._early[message.transfer_id] = message
-                while len(self._early) > self.settings.max_pending_announcements:
-                    self._early.popitem(last=False)
+            if not self._deliver(message.transfer_id, message):
                 return
-            self._apply(inc, message)
         self.runtime.notify()
 
     def on_pushed(self, subject: str, message: object) -> None:
@@ -103,7 +136,7 @@ class DecodeSide:
         tid = inc.work.params.transfer_id
         if isinstance(message, KvReady):
             self.runtime.marks.record_timing(tid, message.timing)
-            if inc.work.kind is ReceiveKind.PULL and not inc.started and inc.outcome is None:
+            if inc.work.kind is ReceiveKind.PULL and inc.state is IncomingState.WAITING:
                 self._start_pull(inc, message)
         elif isinstance(message, KvFailed):
             log.warning(
@@ -122,6 +155,16 @@ class DecodeSide:
         w = inc.work
         first = w.first_token // self.block_size
         remote = runs_to_ids(ready.block_runs)[first:]
+        if ready.compat_hash != self.transport.compat_hash:
+            log.warning(
+                "transfer %s: prefill's compatibility hash %s is not ours (%s): computing locally",
+                w.params.transfer_id,
+                ready.compat_hash,
+                self.transport.compat_hash,
+            )
+            self._tell_prefill(w, "incompatible: decode computes this prompt locally")
+            self._settle(inc, TransferState.FAILED)
+            return
         if ready.num_tokens != w.num_tokens or len(remote) != len(w.block_ids):
             log.warning(
                 "transfer %s: KvReady does not fit (%d tokens, %d blocks; want %d, %d)",
@@ -131,9 +174,11 @@ class DecodeSide:
                 w.num_tokens,
                 len(w.block_ids),
             )
+            self._tell_prefill(w, "KvReady does not fit: decode computes this prompt locally")
             self._settle(inc, TransferState.FAILED)
             return
-        inc.peer, inc.started = ready.side_channel, True
+        inc.peer = ready.side_channel
+        inc.advance(IncomingState.RECEIVING)
         try:
             self.transport.start_pull(
                 w.params.transfer_id,
@@ -166,12 +211,11 @@ class DecodeSide:
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
         inc = Incoming(item, time.monotonic() + timeout, peer=item.params.prefill_address)
-        self._by_tid[tid] = inc
-        self.runtime.add_pending(1)
+        self._track(tid, inc)
         started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
             self.transport.expect(tid, timeout, peer=item.params.prefill_address)
-            inc.started = True
+            inc.advance(IncomingState.RECEIVING)
             self.bus.publish(
                 subjects.blocks(item.params.prefill_id),
                 BlocksAnnounced(
@@ -195,9 +239,7 @@ class DecodeSide:
                 inc.waiting_since_ns,
                 {"kvpush.transfer_id": tid, "kvpush.blocks": len(item.block_ids)},
             )
-        early = self._early.pop(tid, None)
-        if early is not None:
-            self._apply(inc, early)
+        self._apply_early(tid, inc)
 
     def _tell_prefill(self, item: DecodeWork, reason: str) -> None:
         self.bus.publish(
@@ -209,10 +251,11 @@ class DecodeSide:
         )
 
     def _abort(self, inc: Incoming, reason: str) -> None:
-        if inc.outcome is not None or inc.abort_sent_at is not None:
+        if inc.state in (IncomingState.ABORTING, IncomingState.SETTLED):
             return
         inc.abort_sent_at = time.monotonic()
-        if inc.started:
+        if inc.state is IncomingState.RECEIVING:
+            inc.advance(IncomingState.ABORTING)
             self.transport.abort(inc.work.params.transfer_id, reason)
             self._tell_prefill(inc.work, reason)
         else:  # pull not started: no READ will be posted; P drops its blocks on the abort
@@ -222,10 +265,9 @@ class DecodeSide:
     def _settle(
         self, inc: Incoming, state: TransferState, event: TransferEvent | None = None
     ) -> None:
-        if inc.outcome is not None:
+        if inc.settled:
             return
-        inc.outcome = state
-        inc.failed = state is not TransferState.DONE
+        inc.advance(IncomingState.SETTLED, state)
         params = inc.work.params
         landed_ns = event.ended_ns if event is not None and event.ended_ns else now_ns()
         pull = inc.work.kind is ReceiveKind.PULL
@@ -283,7 +325,7 @@ class DecodeSide:
         """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
         for address in self.runtime.take_suspects():
             if address in self._probing or not any(
-                inc.peer == address and inc.outcome is None for inc in self._by_tid.values()
+                inc.peer == address and not inc.settled for inc in self._by_tid.values()
             ):
                 continue
             self._probing.add(address)
@@ -297,7 +339,7 @@ class DecodeSide:
                 log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
                 self.transport.peer_lost(address)
                 for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
-                    if inc.peer == address and inc.outcome is None and not inc.started:
+                    if inc.peer == address and inc.state is IncomingState.WAITING:
                         self._settle(inc, TransferState.FAILED)
         self.runtime.notify()
 
@@ -317,12 +359,12 @@ class DecodeSide:
                     self._abort(inc, f"decode gave up: {event.state.value}")
             now = time.monotonic()
             for tid, inc in list(self._by_tid.items()):
-                if inc.outcome is None and not inc.started and now > inc.deadline:
+                if inc.state is IncomingState.WAITING and now > inc.deadline:
                     self._abort(inc, "no KvReady from prefill in time")
                 # P silent after our abort: probe it. A peer we cannot name keeps the blocks
                 # (rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
                 if (
-                    inc.outcome is None
+                    inc.state is IncomingState.ABORTING
                     and inc.peer
                     and inc.abort_sent_at is not None
                     and not inc.probing
@@ -330,12 +372,11 @@ class DecodeSide:
                 ):
                     inc.probing = True
                     threading.Thread(target=self._probe, args=(inc, inc.peer), daemon=True).start()
-                if inc.outcome is None:
+                if not inc.settled:
                     continue
                 req_id = inc.work.req_id
                 finished.add(req_id)
                 if inc.failed and not inc.request_ended:
                     failed.add(req_id)
-                del self._by_tid[tid]
-                self.runtime.add_pending(-1)
+                self._forget(tid)
         return finished, failed

@@ -8,6 +8,8 @@ and expects D's READ. Either way the blocks are released to vLLM (``finished_sen
 a quiesced terminal transport event (DESIGN §4 rule 4), after the bus heard the outcome:
 KvPushed, KvFailed or AbortAck.
 
+The per-transfer object and its states are ``outgoing.Outgoing``'s.
+
 Threading model: ``on_*`` bus handlers run on the bus thread; ``on_work``, ``on_layer_saved``
 and ``collect`` on the engine (worker) thread. Every entry point takes ``self.lock``.
 """
@@ -15,17 +17,21 @@ and ``collect`` on the engine (worker) thread. Every entry point takes ``self.lo
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.params import ConnectorSettings, PrefillWork, TransferParams
-from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
+from kvpush.connector.tracing import emit_span, now_ns, trace_parent
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
+from kvpush.connector.vllm.outgoing import (
+    Outgoing,
+    OutgoingState,
+    emit_settled_spans,
+    span_attrs,
+)
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
+from kvpush.connector.vllm.side import SideBase
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -36,40 +42,13 @@ from kvpush.schemas.messages import (
     KvFailed,
     KvPushed,
     KvReady,
-    Timing,
     TransferMode,
 )
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Outgoing:
-    req_id: str
-    params: TransferParams
-    block_ids: list[int]
-    num_tokens: int
-    deadline: float
-    completing: bool = False  # the current step computes the last prompt token
-    computed: set[int] = field(default_factory=set)  # layers saved in the completing step
-    announcement: BlocksAnnounced | None = None
-    started: bool = False
-    finished_posting: bool = False
-    outcome: TransferState | None = None  # set once quiesced: blocks may be released
-    req_finished: bool = False
-    compute_start_ns: int = 0  # unix ns: first engine step of the request
-    compute_end_ns: int = 0  # every layer of its last prompt token computed
-
-    def timing(self, kv_sent_ns: int = 0) -> Timing:
-        return Timing(
-            prefill_received=self.params.received_ns,
-            prefill_start=self.compute_start_ns,
-            prefill_end=self.compute_end_ns,
-            kv_sent=kv_sent_ns,
-        )
-
-
-class PrefillSide:
+class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -79,16 +58,10 @@ class PrefillSide:
         num_layers: int,
         block_size: int,
     ) -> None:
-        self.settings = settings
-        self.transport = transport
-        self.bus = bus
-        self.runtime = runtime
+        super().__init__(settings, transport, bus, runtime)
         self.num_layers = num_layers
         self.block_size = block_size
-        self.lock = threading.RLock()
-        self._by_tid: dict[str, Outgoing] = {}
         self._tid_of: dict[str, str] = {}  # req_id -> transfer_id
-        self._early: OrderedDict[str, BlocksAnnounced | Abort] = OrderedDict()
         self._completing: list[Outgoing] = []
         bus.subscribe(subjects.blocks(settings.worker_id), self.on_bus)
         bus.subscribe(subjects.abort(settings.worker_id), self.on_bus)
@@ -98,18 +71,12 @@ class PrefillSide:
         if not isinstance(message, (BlocksAnnounced, Abort)):
             return
         with self.lock:
-            out = self._by_tid.get(message.transfer_id)
-            if out is None:
-                self._early[message.transfer_id] = message
-                while len(self._early) > self.settings.max_pending_announcements:
-                    self._early.popitem(last=False)
-                return
-            self._apply(out, message)
+            self._deliver(message.transfer_id, message)
 
     def _apply(self, out: Outgoing, message: BlocksAnnounced | Abort) -> None:
         if isinstance(message, Abort):
             self._abort(out, message.reason)
-        elif out.announcement is None and out.outcome is None:
+        elif out.announcement is None and not out.settled:
             out.announcement = message
             self._maybe_start(out)
 
@@ -129,35 +96,35 @@ class PrefillSide:
                         time.monotonic() + item.params.timeout_s(self.settings.transfer_timeout_s),
                         compute_start_ns=now_ns(),
                     )
-                    self._by_tid[tid] = out
+                    self._track(tid, out)
                     self._tid_of[item.req_id] = tid
-                    self.runtime.add_pending(1)
-                    early = self._early.pop(tid, None)
-                    if early is not None:
-                        self._apply(out, early)
+                    self._apply_early(tid, out)
                 out.block_ids = item.block_ids
-                if item.completes and out.outcome is None:
+                if item.completes and not out.settled:
                     out.completing = True
                     self._completing.append(out)
                     self._maybe_start(out)
+
+    @property
+    def completing(self) -> bool:
+        """Does this step compute the last prompt token of a kvpush request?"""
+        return bool(self._completing)
 
     def on_layer_saved(self, layer: int) -> bool:
         """Layer ``layer`` of this step is computed; True if WRITEs were posted for it."""
         if not self._completing:
             return False
-        if self.settings.fault_layer_delay_ms:
-            time.sleep(self.settings.fault_layer_delay_ms / 1000.0)
         posted = False
         with self.lock:
             for out in self._completing:
                 out.computed.add(layer)
-                if out.started and out.params.mode is TransferMode.PUSH:
+                if out.state is OutgoingState.STREAMING:  # push mode only
                     posted |= self.transport.push_layers(out.params.transfer_id, [layer])
                 self._maybe_finish(out)
         return posted
 
     def _maybe_start(self, out: Outgoing) -> None:
-        if out.started or out.outcome is not None:
+        if out.state is not OutgoingState.WAITING:
             return
         tid = out.params.transfer_id
         if out.params.mode is TransferMode.PULL:
@@ -166,6 +133,14 @@ class PrefillSide:
             return
         ann = out.announcement
         if ann is None or not out.completing:
+            return
+        if ann.compat_hash != self.transport.compat_hash:  # refused before any WRITE
+            self._fail(
+                out,
+                FailReason.INCOMPATIBLE,
+                f"decode's compatibility hash {ann.compat_hash} is not ours "
+                f"({self.transport.compat_hash}): another model, dtype, block size or layout",
+            )
             return
         first = ann.first_token // self.block_size
         last = -(-out.num_tokens // self.block_size)
@@ -191,7 +166,7 @@ class PrefillSide:
         except Exception as exc:  # handshake or table full: tell D at once (rule 5)
             self._fail(out, FailReason.HANDSHAKE, str(exc)[:300])
             return
-        out.started = True
+        out.advance(OutgoingState.STREAMING)
         if out.computed:
             self.transport.push_layers(tid, sorted(out.computed))
         self._maybe_finish(out)
@@ -199,11 +174,10 @@ class PrefillSide:
     def _maybe_finish(self, out: Outgoing) -> None:
         if not out.compute_end_ns and len(out.computed) == self.num_layers:
             out.compute_end_ns = now_ns()
-        if out.started and not out.finished_posting and len(out.computed) == self.num_layers:
-            out.finished_posting = True
-            if out.params.mode is TransferMode.PUSH:
-                self.transport.finish(out.params.transfer_id)
-        elif out.params.mode is TransferMode.PULL and not out.started:
+        if out.state is OutgoingState.STREAMING and len(out.computed) == self.num_layers:
+            out.advance(OutgoingState.POSTED)
+            self.transport.finish(out.params.transfer_id)
+        elif out.params.mode is TransferMode.PULL and out.state is OutgoingState.WAITING:
             self._maybe_start(out)
 
     def _announce_ready(self, out: Outgoing) -> None:
@@ -211,7 +185,7 @@ class PrefillSide:
         last = -(-out.num_tokens // self.block_size)
         remaining = max(0.05, out.deadline - time.monotonic())
         self.transport.expect(tid, remaining)
-        out.started = out.finished_posting = True
+        out.advance(OutgoingState.POSTED)
         self._publish(
             out.params,
             subjects.kv_ready(out.params.decode_id),
@@ -226,12 +200,12 @@ class PrefillSide:
                 timing=out.timing(),
             ),
         )
-        emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), _attrs(out))
+        emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), span_attrs(out))
 
     def _abort(self, out: Outgoing, detail: str) -> None:
-        if out.outcome is not None:
+        if out.settled:
             return
-        if out.started:
+        if out.state is not OutgoingState.WAITING:
             self.transport.abort(out.params.transfer_id, detail)  # ack once quiesced
             if out.params.mode is TransferMode.PULL:
                 self._release_read_blocks(out)
@@ -262,9 +236,9 @@ class PrefillSide:
         event: TransferEvent | None = None,
     ) -> None:
         """Quiesced terminal outcome: tell D (and observers), then the blocks may go."""
-        if out.outcome is not None:
+        if out.settled:
             return
-        out.outcome = state
+        out.advance(OutgoingState.SETTLED, state)
         tid, p = out.params.transfer_id, out.params
         me = self.settings.worker_id
         settled_ns = now_ns()
@@ -285,7 +259,7 @@ class PrefillSide:
                         timing=out.timing(event.ended_ns),
                     ),
                 )
-                emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), _attrs(out))
+                emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), span_attrs(out))
         elif state is TransferState.ABORTED:
             self._publish(p, subjects.abort(p.decode_id), AbortAck(transfer_id=tid, prefill_id=me))
         else:
@@ -300,39 +274,7 @@ class PrefillSide:
                     detail=detail[:1000],
                 ),
             )
-        self._trace(out, state, event, detail)
-
-    @staticmethod
-    def _trace(
-        out: Outgoing, state: TransferState, event: TransferEvent | None, detail: str
-    ) -> None:
-        """P's spans of a settled transfer: queue, compute and (push) the WRITEs."""
-        if not tracing_on():
-            return
-        p, attrs = out.params, _attrs(out)
-        error = None if state is TransferState.DONE else f"{state.value}: {detail}"[:300]
-        emit_span("prefill.queue", p.traceparent, p.received_ns, out.compute_start_ns, attrs)
-        emit_span(
-            "prefill.compute",
-            p.traceparent,
-            out.compute_start_ns,
-            out.compute_end_ns or now_ns(),
-            {**attrs, "gen_ai.usage.input_tokens": out.num_tokens},
-        )
-        if p.mode is TransferMode.PUSH and event is not None and event.started_ns:
-            layers = [
-                ("layer", event.started_ns + int(lt.done_ms * 1e6), {"layer": lt.layer})
-                for lt in event.layers
-            ]
-            emit_span(
-                "kv.push",
-                p.traceparent,
-                event.started_ns,
-                event.ended_ns,
-                {**attrs, "kvpush.bytes": event.bytes, "kvpush.descriptors": event.descriptors},
-                layers,
-                error,
-            )
+        emit_settled_spans(out, state, event, detail)
 
     def _publish(self, params: TransferParams, subject: str, message: BusMessage) -> None:
         self.bus.publish(subject, message, trace_parent(params.traceparent))
@@ -356,24 +298,15 @@ class PrefillSide:
                     self._by_tid[tid].req_finished = True
             released: set[str] = set()
             for tid, out in list(self._by_tid.items()):
-                if out.outcome is None and not out.started:
+                if out.state is OutgoingState.WAITING:
                     if out.req_finished and not out.completing:
                         self._fail(out, FailReason.PREFILL, "request ended before its prefill")
                     elif now > out.deadline:
                         self._fail(out, FailReason.DEADLINE, "no announcement from decode in time")
-                elif out.outcome is None and out.req_finished and not out.finished_posting:
+                elif out.state is OutgoingState.STREAMING and out.req_finished:
                     self._abort(out, "request ended before its prefill")
-                if out.outcome is not None and out.req_finished:
+                if out.settled and out.req_finished:
                     released.add(out.req_id)
-                    del self._by_tid[tid]
+                    self._forget(tid)
                     self._tid_of.pop(out.req_id, None)
-                    self.runtime.add_pending(-1)
             return released
-
-
-def _attrs(out: Outgoing) -> dict[str, str | int]:
-    return {
-        "kvpush.transfer_id": out.params.transfer_id,
-        "kvpush.mode": out.params.mode.value,
-        "kvpush.decode_id": out.params.decode_id,
-    }

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -43,6 +42,7 @@ import msgspec
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
+from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import Timing
@@ -66,7 +66,7 @@ class TimingMarks:
     def __init__(self, limit: int = MAX_MARKS) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._marks: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._marks: BoundedDict[str, dict[str, int]] = BoundedDict(limit)
 
     def record(self, transfer_id: str, **instants: int) -> None:
         """Remember ``Timing`` instants of a transfer (zeros ignored)."""
@@ -74,8 +74,6 @@ class TimingMarks:
             entry = self._marks.get(transfer_id)
             if entry is None:
                 entry = self._marks[transfer_id] = {}
-                while len(self._marks) > self.limit:
-                    self._marks.popitem(last=False)
             for field, value in instants.items():
                 if value and not entry.get(field):
                     entry[field] = value

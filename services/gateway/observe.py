@@ -16,9 +16,9 @@ Threading model: the gateway's event loop only.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvpush.connector import BoundedDict
 from kvpush.schemas.messages import KvFailed, KvPushed, KvReady, Timing
 from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.metrics import GatewayMetrics
@@ -49,13 +49,11 @@ class Observer:
     def __init__(self, metrics: GatewayMetrics, recent: RecentRequests) -> None:
         self.metrics = metrics
         self.recent = recent
-        self._modes: OrderedDict[str, str] = OrderedDict()  # transfer id -> mode
+        self._modes: BoundedDict[str, str] = BoundedDict(MAX_TRACKED)  # transfer id -> mode
         self.counts = {"ok": 0, "failed": 0, "kv_failed": 0}
 
     def track(self, transfer_id: str, mode: str) -> None:
         self._modes[transfer_id] = mode
-        while len(self._modes) > MAX_TRACKED:
-            self._modes.popitem(last=False)
 
     async def on_kv_event(self, subject: str, message: object) -> None:
         if not isinstance(message, (KvPushed, KvReady, KvFailed)):

@@ -20,7 +20,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvpush.connector import DEFAULT_NATS_URL, VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
+from kvpush.connector import (
+    DEFAULT_NATS_URL,
+    FAULTS_CONNECTOR_CLASS,
+    FAULTS_CONNECTOR_MODULE,
+    VLLM_CONNECTOR_CLASS,
+    VLLM_CONNECTOR_MODULE,
+)
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models, settings
@@ -65,8 +71,10 @@ class WorkerConfig:
             "side_channel_port": self.side_channel_port,
             "transfer_timeout_s": self.transfer_timeout_s,
         }
-        if self.fault_layer_delay_ms:
+        connector, module = VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
+        if self.fault_layer_delay_ms:  # tests and soak runs: the fault-injecting connector
             extra["fault_layer_delay_ms"] = self.fault_layer_delay_ms
+            connector, module = FAULTS_CONNECTOR_CLASS, FAULTS_CONNECTOR_MODULE
         if self.advertise_host:
             extra["advertise_host"] = self.advertise_host
         prefill = self.role is WorkerRole.PREFILL
@@ -77,8 +85,8 @@ class WorkerConfig:
             max_num_seqs=self.max_inflight,
             cpu_cores=self.cpu_cores,
             kv_transfer_config={
-                "kv_connector": VLLM_CONNECTOR_CLASS,
-                "kv_connector_module_path": VLLM_CONNECTOR_MODULE,
+                "kv_connector": connector,
+                "kv_connector_module_path": module,
                 "kv_role": "kv_producer" if prefill else "kv_consumer",
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra,

@@ -26,9 +26,8 @@ import argparse
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 
-from kvpush.connector import emit_span, monotonic_to_ns, tracing_on
+from kvpush.connector import BoundedDict, emit_span, monotonic_to_ns, tracing_on
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
@@ -84,7 +83,7 @@ class DecodeWorker(Worker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.prefill_addresses: OrderedDict[str, str] = OrderedDict()
+        self.prefill_addresses: BoundedDict[str, str] = BoundedDict(MAX_PREFILL_PEERS)
         # worker id -> (epoch, last heartbeat, monotonic) of each prefill worker heard from
         self._prefill_seen: dict[str, tuple[int, float]] = {}
         self._lease_task: asyncio.Task[None] | None = None
@@ -131,10 +130,7 @@ class DecodeWorker(Worker):
                 previous
             )  # restarted: its old incarnation sends nothing more
         self._prefill_seen[beat.worker_id] = (beat.epoch, time.monotonic())
-        self.prefill_addresses[beat.worker_id] = beat.side_channel
-        self.prefill_addresses.move_to_end(beat.worker_id)
-        while len(self.prefill_addresses) > MAX_PREFILL_PEERS:
-            self.prefill_addresses.popitem(last=False)
+        self.prefill_addresses.refresh(beat.worker_id, beat.side_channel)
 
     async def serve(self, entry: InFlight) -> None:
         event = entry.event

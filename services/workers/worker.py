@@ -31,13 +31,19 @@ import logging
 import signal
 import sys
 import time
-from collections import OrderedDict
 from typing import Any, ClassVar
 
 from nats.aio.subscription import Subscription
 from opentelemetry import propagate
 
-from kvpush.connector import Bus, BusConfig, BusConnectError, TransferParams, configure_tracing
+from kvpush.connector import (
+    BoundedDict,
+    Bus,
+    BusConfig,
+    BusConnectError,
+    TransferParams,
+    configure_tracing,
+)
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -87,7 +93,7 @@ class Worker:
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
         self._inflight: dict[str, InFlight] = {}
-        self._aborted: OrderedDict[str, str] = OrderedDict()
+        self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._free_blocks = 0
@@ -303,8 +309,6 @@ class Worker:
         entry = self._inflight.get(message.transfer_id)
         if entry is None:
             self._aborted[message.transfer_id] = message.reason
-            while len(self._aborted) > ABORT_MEMORY:
-                self._aborted.popitem(last=False)
             return
         self._abort(entry, message.reason or f"aborted by {message.sender}")
 

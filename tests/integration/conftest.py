@@ -31,9 +31,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def connector_config(role: str, worker_id: str, nats_url: str, **extra: Any) -> dict[str, Any]:
+    """A KVTransferConfig dict; a fault (``fault_layer_delay_ms``) selects the test connector."""
+    faulty = "fault_layer_delay_ms" in extra
     return {
-        "kv_connector": "KVPushConnector",
-        "kv_connector_module_path": "kvpush.connector.vllm.connector",
+        "kv_connector": "SlowPrefillConnector" if faulty else "KVPushConnector",
+        "kv_connector_module_path": "kvpush.connector.vllm."
+        + ("faults" if faulty else "connector"),
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {

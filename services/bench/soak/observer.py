@@ -23,10 +23,9 @@ Threading model: asyncio, on the soak's loop; handlers never await.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpush.connector import Bus
+from kvpush.connector import BoundedDict, Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import RequestEvent, TokenChunk, WorkerHeartbeat
@@ -60,8 +59,7 @@ class SoakObserver:
         self.max_requests = max_requests
         self.beats: dict[str, WorkerHeartbeat] = {}
         self.beat_seq: dict[str, int] = {}
-        self.forgotten = 0  # requests dropped past max_requests
-        self._requests: OrderedDict[str, _Request] = OrderedDict()
+        self._requests: BoundedDict[str, _Request] = BoundedDict(max_requests)
         self._beat = asyncio.Event()
         self._reply = subjects.tokens(gateway_id)
 
@@ -101,9 +99,6 @@ class SoakObserver:
         entry = self._requests.get(request_id)
         if entry is None:
             entry = self._requests[request_id] = _Request()
-            while len(self._requests) > self.max_requests:
-                self._requests.popitem(last=False)
-                self.forgotten += 1
         return entry
 
     async def _on_request(self, subject: str, message: BusMessage) -> None:

@@ -1,0 +1,120 @@
+"""One push or pull of the prefill side: ``Outgoing``, its states and its spans.
+
+States (one transition method, ``Outgoing.advance``)::
+
+    WAITING --> STREAMING --> POSTED --> SETTLED
+       |            |                      ^
+       +------------+----------------------+   (pull: WAITING --> POSTED at KvReady)
+
+WAITING: computing, or waiting for D's announcement (push) / the last layer (pull). STREAMING:
+the push started, each layer is written as soon as it is computed. POSTED: every layer posted
+and the completion notice asked for (push), or KvReady sent and D READs (pull). SETTLED: a
+quiesced outcome (``outcome``) is known and D was told; the blocks go once the request ended.
+
+``emit_settled_spans`` makes P's spans of a settled transfer after the fact.
+
+Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvpush.connector.params import TransferParams
+from kvpush.connector.tracing import emit_span, now_ns, tracing_on
+from kvpush.connector.transfer import TransferEvent, TransferState
+from kvpush.connector.vllm.side import check_transition
+from kvpush.schemas.messages import BlocksAnnounced, Timing, TransferMode
+
+
+class OutgoingState(str, enum.Enum):
+    WAITING = "waiting"
+    STREAMING = "streaming"
+    POSTED = "posted"
+    SETTLED = "settled"
+
+
+_O = OutgoingState
+_ALLOWED: dict[OutgoingState, frozenset[OutgoingState]] = {
+    _O.WAITING: frozenset({_O.STREAMING, _O.POSTED, _O.SETTLED}),
+    _O.STREAMING: frozenset({_O.POSTED, _O.SETTLED}),
+    _O.POSTED: frozenset({_O.SETTLED}),
+    _O.SETTLED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Outgoing:
+    req_id: str
+    params: TransferParams
+    block_ids: list[int]
+    num_tokens: int
+    deadline: float
+    completing: bool = False  # the current step computes the last prompt token
+    computed: set[int] = field(default_factory=set)  # layers saved in the completing step
+    announcement: BlocksAnnounced | None = None
+    state: OutgoingState = OutgoingState.WAITING
+    outcome: TransferState | None = None  # set with SETTLED: blocks may be released
+    req_finished: bool = False
+    compute_start_ns: int = 0  # unix ns: first engine step of the request
+    compute_end_ns: int = 0  # every layer of its last prompt token computed
+
+    def advance(self, new: OutgoingState, outcome: TransferState | None = None) -> None:
+        """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""
+        check_transition(_ALLOWED, self.state, new, f"outgoing {self.params.transfer_id}")
+        self.state = new
+        if new is OutgoingState.SETTLED:
+            self.outcome = outcome
+
+    @property
+    def settled(self) -> bool:
+        return self.state is OutgoingState.SETTLED
+
+    def timing(self, kv_sent_ns: int = 0) -> Timing:
+        return Timing(
+            prefill_received=self.params.received_ns,
+            prefill_start=self.compute_start_ns,
+            prefill_end=self.compute_end_ns,
+            kv_sent=kv_sent_ns,
+        )
+
+
+def emit_settled_spans(
+    out: Outgoing, state: TransferState, event: TransferEvent | None, detail: str
+) -> None:
+    """P's spans of a settled transfer: queue, compute and (push) the WRITEs."""
+    if not tracing_on():
+        return
+    p, attrs = out.params, span_attrs(out)
+    error = None if state is TransferState.DONE else f"{state.value}: {detail}"[:300]
+    emit_span("prefill.queue", p.traceparent, p.received_ns, out.compute_start_ns, attrs)
+    emit_span(
+        "prefill.compute",
+        p.traceparent,
+        out.compute_start_ns,
+        out.compute_end_ns or now_ns(),
+        {**attrs, "gen_ai.usage.input_tokens": out.num_tokens},
+    )
+    if p.mode is TransferMode.PUSH and event is not None and event.started_ns:
+        layers = [
+            ("layer", event.started_ns + int(lt.done_ms * 1e6), {"layer": lt.layer})
+            for lt in event.layers
+        ]
+        emit_span(
+            "kv.push",
+            p.traceparent,
+            event.started_ns,
+            event.ended_ns,
+            {**attrs, "kvpush.bytes": event.bytes, "kvpush.descriptors": event.descriptors},
+            layers,
+            error,
+        )
+
+
+def span_attrs(out: Outgoing) -> dict[str, str | int]:
+    return {
+        "kvpush.transfer_id": out.params.transfer_id,
+        "kvpush.mode": out.params.mode.value,
+        "kvpush.decode_id": out.params.decode_id,
+    }

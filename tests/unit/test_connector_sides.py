@@ -1,0 +1,200 @@
+"""The state machines of the vLLM adapter's two sides (``Outgoing`` on P, ``Incoming`` on D),
+driven through their public entry points with a recording transport and bus.
+
+These are protocol-logic tests: what each side asks of the transport and says on the bus, and in
+which state it leaves a transfer. That the KV really moves is the integration suite's job (real
+engines, real NIXL, real nats-server); here a step cannot be skipped without a test failing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpush.connector.params import (
+    ConnectorSettings,
+    DecodeWork,
+    PrefillWork,
+    ReceiveKind,
+    TransferParams,
+)
+from kvpush.connector.transfer import InvalidTransition, Role, TransferEvent, TransferState
+from kvpush.connector.vllm.decode_side import DecodeSide, IncomingState
+from kvpush.connector.vllm.outgoing import OutgoingState
+from kvpush.connector.vllm.prefill_side import PrefillSide
+from kvpush.connector.vllm.runtime import WorkerRuntime
+from kvpush.schemas.messages import (
+    Abort,
+    AbortAck,
+    BlocksAnnounced,
+    FailReason,
+    KvFailed,
+    KvPushed,
+    KvReady,
+    TransferMode,
+    WorkerRole,
+)
+
+OURS, THEIRS = "ab" * 8, "cd" * 8
+TID = "transfer-0001"
+LAYERS, BLOCK = 3, 4
+
+
+class Recorder:
+    """Transport and bus in one: every call is recorded as (name, args)."""
+
+    compat_hash, epoch, address = OURS, 1, "tcp://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.published: list[tuple[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> bool:
+            self.calls.append((name, args))
+            return True
+
+        return record
+
+    def publish(self, subject: str, message: Any, context: Any = None) -> None:
+        self.published.append((subject, message))
+
+    def subscribe(self, subject: str, handler: Any) -> None:
+        pass
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+    def messages(self, kind: type) -> list[Any]:
+        return [m for _, m in self.published if isinstance(m, kind)]
+
+
+def params(mode: TransferMode = TransferMode.PUSH) -> TransferParams:
+    return TransferParams(transfer_id=TID, prefill_id="p0", decode_id="d0", mode=mode)
+
+
+def event(state: TransferState, role: Role = Role.PUSH) -> TransferEvent:
+    return TransferEvent(TID, role, state, quiesced=True)
+
+
+def prefill_side(rec: Recorder) -> tuple[PrefillSide, WorkerRuntime]:
+    runtime = WorkerRuntime()
+    settings = ConnectorSettings(worker_id="p0", role=WorkerRole.PREFILL)
+    return PrefillSide(settings, rec, rec, runtime, LAYERS, BLOCK), runtime  # type: ignore[arg-type]
+
+
+def decode_side(rec: Recorder) -> tuple[DecodeSide, WorkerRuntime]:
+    runtime = WorkerRuntime()
+    settings = ConnectorSettings(worker_id="d0", role=WorkerRole.DECODE)
+    return DecodeSide(settings, rec, rec, runtime, BLOCK), runtime  # type: ignore[arg-type]
+
+
+def announcement(compat: str = OURS) -> BlocksAnnounced:
+    return BlocksAnnounced(
+        transfer_id=TID,
+        decode_id="d0",
+        decode_epoch=1,
+        block_runs=[(10, 2)],
+        first_token=0,
+        num_tokens=8,
+        compat_hash=compat,
+        side_channel="tcp://127.0.0.1:2",
+    )
+
+
+def work(completes: bool) -> list[PrefillWork]:
+    return [PrefillWork("r0", params(), [0, 1], 8, completes)]
+
+
+def test_push_streams_layers_then_settles_and_releases_once_the_request_ended() -> None:
+    rec = Recorder()
+    side, runtime = prefill_side(rec)
+    side.on_bus("", announcement())  # before the request: kept for it
+    side.on_work(work(completes=False))
+    out = side._by_tid[TID]
+    assert out.state is OutgoingState.WAITING and runtime.pending() == 1
+    side.on_work(work(completes=True))
+    assert out.state is OutgoingState.STREAMING and rec.names() == ["start_push"]
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    assert rec.names() == ["start_push", "push_layers", "push_layers", "push_layers", "finish"]
+    assert out.state is OutgoingState.POSTED
+    assert side.collect(set(), [event(TransferState.DONE)]) == set()  # request still running
+    assert out.state is OutgoingState.SETTLED and len(rec.messages(KvPushed)) == 1
+    assert side.collect({"r0"}, []) == {"r0"} and runtime.pending() == 0
+
+
+def test_an_announcement_of_another_layout_is_refused_before_any_write() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(compat=THEIRS))
+    (failed,) = rec.messages(KvFailed)
+    assert failed.reason is FailReason.INCOMPATIBLE and THEIRS in failed.detail
+    assert "start_push" not in rec.names()
+    assert side._by_tid[TID].outcome is TransferState.FAILED
+
+
+def test_an_abort_while_streaming_waits_for_the_quiesced_event() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement())
+    side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="client gone"))
+    out = side._by_tid[TID]
+    assert out.state is OutgoingState.STREAMING and rec.names()[-1] == "abort"
+    side.collect({"r0"}, [event(TransferState.ABORTED)])
+    assert rec.messages(AbortAck) and TID not in side._by_tid
+
+
+def test_transitions_outside_the_diagram_are_refused() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=False))
+    out = side._by_tid[TID]
+    out.advance(OutgoingState.POSTED)
+    with pytest.raises(InvalidTransition, match="posted -> streaming"):
+        out.advance(OutgoingState.STREAMING)
+    out.advance(OutgoingState.SETTLED, TransferState.DONE)
+    with pytest.raises(InvalidTransition):
+        out.advance(OutgoingState.SETTLED, TransferState.DONE)
+
+
+def receive(kind: ReceiveKind, mode: TransferMode) -> list[DecodeWork]:
+    return [DecodeWork(kind, "r0", params(mode), [5, 6], 0, 8)]
+
+
+def test_decode_push_abort_holds_the_blocks_until_prefill_acknowledges() -> None:
+    rec = Recorder()
+    side, runtime = decode_side(rec)
+    side.on_work(receive(ReceiveKind.PUSH, TransferMode.PUSH))
+    inc = side._by_tid[TID]
+    assert inc.state is IncomingState.RECEIVING and rec.messages(BlocksAnnounced)
+    side.on_work(receive(ReceiveKind.ABORT, TransferMode.PUSH))
+    assert inc.state is IncomingState.ABORTING and rec.messages(Abort)
+    assert side.collect([]) == (set(), set())  # nothing reported before P's word
+    side.on_bus("", AbortAck(transfer_id=TID, prefill_id="p0"))
+    assert rec.names()[-1] == "acknowledged"
+    finished, failed = side.collect([event(TransferState.ABORTED, Role.TARGET)])
+    assert finished == {"r0"} and failed == set()  # the request ended: nothing to recompute
+    assert runtime.pending() == 0
+
+
+def test_decode_pull_refuses_a_kv_ready_of_another_layout_and_recomputes() -> None:
+    rec = Recorder()
+    side, _ = decode_side(rec)
+    side.on_work(receive(ReceiveKind.PULL, TransferMode.PULL))
+    assert side._by_tid[TID].state is IncomingState.WAITING
+    ready = KvReady(
+        transfer_id=TID,
+        prefill_id="p0",
+        prefill_epoch=1,
+        block_runs=[(0, 2)],
+        num_tokens=8,
+        compat_hash=THEIRS,
+        side_channel="tcp://127.0.0.1:3",
+    )
+    side.on_bus("", ready)
+    assert "start_pull" not in rec.names() and rec.messages(Abort)
+    assert side.collect([]) == ({"r0"}, {"r0"})  # failed: D computes the prompt itself
