@@ -27,11 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.tracing import configure_tracing_from_env
+from kvpush.connector.vllm import compat
 from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.connector.vllm.runtime import WorkerRuntime
 from kvpush.connector.vllm.scheduler import SchedulerHalf
@@ -47,6 +47,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        compat.check_version()
+        self._load_errors: set[int] = set()  # vLLM 0.26: blocks of failed receives, this step
         transfer_config = vllm_config.kv_transfer_config
         settings = self.settings_from(transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
@@ -104,16 +106,26 @@ class KVPushConnector(KVConnectorBase_V1):
         return None  # pushes are asynchronous; their source blocks stay held (delay_free)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        """vLLM 0.26's per-step question; a failed receive is finished with invalid blocks."""
+        sending, recving, failed_blocks = self._results(finished_req_ids)
+        self._load_errors = set().union(*failed_blocks.values()) if failed_blocks else set()
+        return sending or None, (recving | set(failed_blocks)) or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's per-step question (``KVConnectorTransferResults``)."""
+        sending, recving, failed_blocks = self._results(finished_req_ids)
+        return compat.transfer_results(sending, recving | set(failed_blocks), set(failed_blocks))
+
+    def _results(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str], dict[str, list[int]]]:
         if self._worker is None:
-            return KVConnectorTransferResults()
-        sending, recving, failed = self._worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving, failed_recving=failed
-        )
+            return set(), set(), {}
+        return self._worker.transfer_results(finished_req_ids)
 
     # ---- scheduler role -------------------------------------------------------------------
     def get_num_new_matched_tokens(

@@ -343,10 +343,11 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                         self._settle(inc, TransferState.FAILED)
         self.runtime.notify()
 
-    def collect(self, events: list[TransferEvent]) -> tuple[set[str], set[str]]:
-        """Returns (finished_recving, failed_recving) request ids, each reported once."""
+    def collect(self, events: list[TransferEvent]) -> tuple[set[str], dict[str, list[int]]]:
+        """(received request ids, failed request ids -> the blocks they were to receive into),
+        each request reported once, in one of the two."""
         finished: set[str] = set()
-        failed: set[str] = set()
+        failed: dict[str, list[int]] = {}
         with self.lock:
             self._probe_suspects()
             for event in events:
@@ -375,8 +376,9 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 if not inc.settled:
                     continue
                 req_id = inc.work.req_id
-                finished.add(req_id)
                 if inc.failed and not inc.request_ended:
-                    failed.add(req_id)
+                    failed[req_id] = list(inc.work.block_ids)
+                else:
+                    finished.add(req_id)
                 self._forget(tid)
         return finished, failed

@@ -114,11 +114,14 @@ class WorkerHalf:
             except queue.Empty:
                 return events
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) for this step."""
+    def transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str], set[str], dict[str, list[int]]]:
+        """(finished_sending, finished_recving, failed receives with their block ids) for this
+        step; a failed receive is not in finished_recving (the facade reports it per version)."""
         events = self._drain()
         if self.prefill is not None:
-            return self.prefill.collect(finished_req_ids, events), set(), set()
+            return self.prefill.collect(finished_req_ids, events), set(), {}
         if self.decode is not None:
             recving, failed = self.decode.collect(events)
             if recving:
@@ -127,7 +130,7 @@ class WorkerHalf:
                 # D's first step was 50 ms late, EngineHost's idle wait).
                 self.runtime.notify()
             return set(), recving, failed
-        return set(), set(), set()
+        return set(), set(), {}
 
     def shutdown(self) -> None:
         if self.poller is not None:

@@ -173,11 +173,11 @@ def test_decode_push_abort_holds_the_blocks_until_prefill_acknowledges() -> None
     assert inc.state is IncomingState.RECEIVING and rec.messages(BlocksAnnounced)
     side.on_work(receive(ReceiveKind.ABORT, TransferMode.PUSH))
     assert inc.state is IncomingState.ABORTING and rec.messages(Abort)
-    assert side.collect([]) == (set(), set())  # nothing reported before P's word
+    assert side.collect([]) == (set(), {})  # nothing reported before P's word
     side.on_bus("", AbortAck(transfer_id=TID, prefill_id="p0"))
     assert rec.names()[-1] == "acknowledged"
     finished, failed = side.collect([event(TransferState.ABORTED, Role.TARGET)])
-    assert finished == {"r0"} and failed == set()  # the request ended: nothing to recompute
+    assert finished == {"r0"} and failed == {}  # the request ended: nothing to recompute
     assert runtime.pending() == 0
 
 
@@ -197,4 +197,4 @@ def test_decode_pull_refuses_a_kv_ready_of_another_layout_and_recomputes() -> No
     )
     side.on_bus("", ready)
     assert "start_pull" not in rec.names() and rec.messages(Abort)
-    assert side.collect([]) == ({"r0"}, {"r0"})  # failed: D computes the prompt itself
+    assert side.collect([]) == (set(), {"r0": [5, 6]})  # failed: D computes the prompt itself
