@@ -19,8 +19,8 @@ V = TypeVar("V")
 
 class BoundedDict(OrderedDict[K, V]):
     def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"BoundedDict limit must be >= 1, not {limit}")
+        if limit < 0:
+            raise ValueError(f"BoundedDict limit must be >= 0, not {limit}")
         super().__init__()
         self.limit = limit
         self.evicted = 0

@@ -79,6 +79,9 @@ def read(
                 continue
             raw = [part.strip() for part in text.split(",")] if row.repeat else text
             source = row.variable
+        elif not row.repeat and row.parse is not str:
+            values[row.name] = raw  # argparse already parsed it (``type``)
+            continue
         else:
             source = row.flags[0]
         try:

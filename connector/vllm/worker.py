@@ -124,7 +124,7 @@ class WorkerHalf:
             return self.prefill.collect(finished_req_ids, events), set(), {}
         if self.decode is not None:
             recving, failed = self.decode.collect(events)
-            if recving:
+            if recving or failed:
                 # vLLM schedules these requests on the *next* step: a driver that saw this step
                 # idle must step again at once instead of sleeping (found via the breakdown:
                 # D's first step was 50 ms late, EngineHost's idle wait).

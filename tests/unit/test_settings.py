@@ -25,6 +25,7 @@ TABLE = (
     Setting("wait_s", ("--wait-s", "--wait"), float, "how long", "KVPUSH_TEST_WAIT"),
     Setting("keys", ("--key",), str, "keys", repeat=True),
     Setting("secret_ms", ("--secret-ms",), float, "no flag", flag=False),
+    Setting("cores", ("--cores",), lambda text: [int(c) for c in text.split(",")], "a list"),
 )
 
 
@@ -46,6 +47,9 @@ def test_flag_beats_variable_and_absent_settings_are_left_to_the_defaults() -> N
     assert settings.read(TABLE, given, env) == {"size": 4, "wait_s": 2.0, "keys": ["x", "y"]}
     assert settings.read(TABLE, parse(TABLE), {}) == {}
     assert settings.read(TABLE, parse(TABLE), {"KVPUSH_SECRET_MS": "5"}) == {"secret_ms": 5.0}
+    # a parser that is not idempotent (a string in, a list out) runs once, by flag or variable
+    assert settings.read(TABLE, parse(TABLE, "--cores", "0,1"), {}) == {"cores": [0, 1]}
+    assert settings.read(TABLE, parse(TABLE), {"KVPUSH_CORES": "2,3"}) == {"cores": [2, 3]}
     with pytest.raises(SystemExit):
         parse(TABLE, "--secret-ms", "5")  # environment only: no such flag
 
@@ -84,6 +88,15 @@ def test_a_variable_shared_by_two_services_means_the_same_there() -> None:
     for table in TABLES.values():
         for row in table:
             assert parse_of.setdefault(row.variable, row.parse) is row.parse, row.variable
+
+
+def test_worker_flags_parse_into_the_config(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = parser.parse_args(["--cpus", "0-2", "--nats", "nats://h:1", "--model", str(tmp_path)])
+    config = worker_config.config_from_args(WorkerRole.PREFILL, args, {"KVPUSH_HEARTBEAT_S": "2"})
+    assert config.cpu_cores == [0, 1, 2] and config.nats_url == "nats://h:1"
+    assert config.heartbeat_s == 2.0 and config.max_inflight == 64
 
 
 def test_worker_and_up_configs_raise_config_errors_not_exits(tmp_path) -> None:
