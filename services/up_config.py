@@ -14,7 +14,10 @@ from pathlib import Path
 
 from kvpush.schemas.messages import TransferMode
 from kvpush.services import settings
+from kvpush.services.gateway.config import SETTINGS as GATEWAY_SETTINGS
 from kvpush.services.settings import ConfigError, Setting
+
+GATEWAY = {row.name: row for row in GATEWAY_SETTINGS}  # rows up shares with the gateway
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,29 +59,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("prefill", ("--prefill",), int, "prefill workers (default 1)", "KVPUSH_UP_PREFILL"),
     Setting("decode", ("--decode",), int, "decode workers (default 1)", "KVPUSH_UP_DECODE"),
-    Setting(
-        "host",
-        ("--host",),
-        str,
-        "gateway address (default 127.0.0.1)",
-        "KVPUSH_GATEWAY_HOST",
-        metavar="ADDR",
-    ),
-    Setting(
-        "port",
-        ("--port",),
-        int,
-        "gateway port (default 8000)",
-        "KVPUSH_GATEWAY_PORT",
-        metavar="PORT",
-    ),
-    Setting(
-        "mode",
-        ("--mode",),
-        TransferMode,
-        "KV transfer mode (default push)",
-        choices=("push", "pull"),
-    ),
+    *(GATEWAY[name] for name in ("host", "port", "mode")),  # passed on to the gateway
     Setting(
         "max_inflight",
         ("--max-inflight",),
@@ -86,12 +67,7 @@ SETTINGS: tuple[Setting, ...] = (
         "requests at once per worker (default: the workers' default)",
         "KVPUSH_WORKER_MAX_INFLIGHT",
     ),
-    Setting(
-        "local_threshold",
-        ("--local-threshold",),
-        int,
-        "prompts under N tokens are served by decode alone (gateway default 256; 0: never)",
-    ),
+    GATEWAY["local_threshold"],
     Setting(
         "trace_file",
         ("--trace-file",),
