@@ -23,7 +23,7 @@ from kvpush.connector.layout import (
     runs_to_ids,
 )
 from kvpush.connector.link import EngineLink
-from kvpush.connector.params import ConnectorSettings, TransferParams, read_params
+from kvpush.connector.params import ConnectorSettings, TransferParams, read_params, timing_of
 from kvpush.connector.poller import Poller
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
 from kvpush.connector.tracing import (
@@ -87,5 +87,6 @@ __all__ = [
     "read_params",
     "runs_to_ids",
     "shutdown_tracing",
+    "timing_of",
     "tracing_on",
 ]

@@ -1,18 +1,20 @@
-"""``EngineLink``: what the driver of an in-process vLLM engine learns from its kvpush connector.
+"""``EngineLink``: what the driver of an in-process vLLM engine core learns from its connector.
 
-vLLM builds the connector's two halves itself; the driver (the worker service's ``EngineHost``)
-reaches them through the engine, never through a module global: the scheduler half is the
-``EngineCore``'s ``scheduler.connector``, the worker half is vLLM's ``get_kv_transfer_group()``
-of this process (uniproc executor: the worker runs in the caller's process). From them the link
-gives the wake-up signal (``activity``), the pending count, the last step's idleness, the side
-channel to announce (``info``), the suspect-peer input and the timing marks of a transfer.
+vLLM builds the connector's halves itself; the driver (the worker service's ``EngineHost``)
+reaches the scheduler half through the engine, never through a module global: it is the
+``EngineCore``'s ``scheduler.connector``. That works whatever executor runs the worker halves
+(uniproc: in this process; multiprocess, e.g. TP > 1: one process per rank), since everything
+the scheduler half knows came through vLLM or its wake-up line (``connector/vllm/scheduler.py``).
+The link gives the wake-up signal (``activity``), the pending count, the last step's idleness,
+every rank's identity (``ranks``, ``info`` for rank 0), and the suspect-peer input. The timing
+marks of a transfer come on the request's final output (``kvpush.connector.timing_of``).
 
 An engine without a kvpush connector gets a link of its own event and no work: the driver's loop
 is the same with or without one.
 
-Threading model: everything here is safe from any thread (``WorkerRuntime`` locks; the
-scheduler half's flag is read on the engine thread, where it is written). ``attach`` runs on the
-engine thread after the engine is built; it imports vLLM there, so this module itself does not.
+Threading model: ``activity`` is an Event (any thread); ``suspect_peer`` is safe from any
+thread; the rest is read on the engine thread, where vLLM writes it. ``attach`` runs on the
+engine thread after the engine is built.
 """
 
 from __future__ import annotations
@@ -20,51 +22,50 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvpush.connector.vllm.runtime import ConnectorInfo, WorkerRuntime
-from kvpush.schemas.messages import Timing
+from kvpush.connector.vllm.runtime import ConnectorInfo
 
 
 class EngineLink:
     """One engine's connector as its in-process driver sees it (see the module docstring)."""
 
-    def __init__(self, runtime: WorkerRuntime | None = None, scheduler: Any = None) -> None:
-        self._runtime = runtime
-        self._scheduler = scheduler
-        self.activity: threading.Event = runtime.activity if runtime else threading.Event()
+    def __init__(self, scheduler_half: Any = None) -> None:
+        self._half = scheduler_half
+        self.activity: threading.Event = (
+            scheduler_half.activity if scheduler_half is not None else threading.Event()
+        )
 
     @classmethod
     def attach(cls, engine_core: Any) -> EngineLink:
         """The link of vLLM's in-process ``EngineCore`` (``InprocClient.engine_core``)."""
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        scheduler = getattr(engine_core.scheduler, "connector", None)
-        worker = get_kv_transfer_group() if has_kv_transfer_group() else None
-        runtime = getattr(worker, "runtime", None)
-        if scheduler is None or not isinstance(runtime, WorkerRuntime):
-            return cls()  # no kvpush connector in this engine
-        return cls(runtime, scheduler)
+        connector = getattr(engine_core.scheduler, "connector", None)
+        half = getattr(connector, "scheduler_half", None)
+        return cls(half) if half is not None else cls()  # None: another vendor's connector
 
     @property
     def connected(self) -> bool:
-        return self._runtime is not None
+        return self._half is not None
+
+    @property
+    def ranks(self) -> list[ConnectorInfo]:
+        """Every TP rank's identity (registered KV cache, side channel), by rank."""
+        if self._half is None:
+            return []
+        return [self._half.ranks[rank] for rank in sorted(self._half.ranks)]
 
     @property
     def info(self) -> ConnectorInfo | None:
-        """The worker half's identity once its KV cache is registered."""
-        return self._runtime.info if self._runtime is not None else None
+        """Rank 0's identity once its KV cache is registered."""
+        ranks = self.ranks
+        return ranks[0] if ranks else None
 
     def pending(self) -> int:
         """Transfers the connector still has to report through an engine step."""
-        return self._runtime.pending() if self._runtime is not None else 0
+        return self._half.pending() if self._half is not None else 0
 
     def last_step_idle(self) -> bool:
-        return bool(self._scheduler is not None and self._scheduler.last_step_idle)
+        return bool(self._half is not None and self._half.last_step_idle)
 
     def suspect_peer(self, address: str) -> None:
-        """Tell the decode side that the peer at ``address`` may be gone (it probes it)."""
-        if self._runtime is not None:
-            self._runtime.suspect_peer(address)
-
-    def take_timing(self, transfer_id: str) -> Timing | None:
-        """The critical-path instants the connector learned of a transfer (and forget them)."""
-        return self._runtime.marks.take(transfer_id) if self._runtime is not None else None
+        """Tell every rank's decode side that the peer at ``address`` may be gone."""
+        if self._half is not None:
+            self._half.suspect_peer(address)

@@ -2,6 +2,7 @@
 
 - ``TransferParams``: what a request carries in ``kv_transfer_params["kvpush"]`` (set by the
   worker service): mode, transfer id, the two worker ids, deadline, trace context.
+- ``timing_of``: the ``Timing`` a decode request's final ``kv_transfer_params`` carries.
 - ``ConnectorSettings``: the engine's ``kv_connector_extra_config`` (worker id, role, NATS URL,
   side-channel host, timeouts).
 - ``PrefillWork`` / ``DecodeWork``: one request's share of a step, as the scheduler half hands
@@ -22,9 +23,10 @@ from typing import Any
 import msgspec
 
 from kvpush.connector.bus import DEFAULT_NATS_URL
-from kvpush.schemas.messages import TransferMode, WorkerRole
+from kvpush.schemas.messages import Timing, TransferMode, WorkerRole
 
 PARAMS_KEY = "kvpush"
+TIMING_KEY = "kvpush_timing"  # on a decode request's final output: what the connector learned
 
 
 class TransferParams(msgspec.Struct, frozen=True):
@@ -35,11 +37,18 @@ class TransferParams(msgspec.Struct, frozen=True):
     deadline_ms: int = 0  # unix ms; 0: the connector's transfer_timeout_s from now
     traceparent: str | None = None
     prefill_address: str | None = None  # P's side channel (from its heartbeat): liveness probe
+    prefill_addresses: list[str] = []  # with TP: every rank's, by rank (rank 0's is the above)
     received_ns: int = 0  # unix ns the worker got the RequestEvent (queue spans start here)
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` dict to put on a request."""
         return {PARAMS_KEY: msgspec.to_builtins(self)}
+
+    def prefill_address_of(self, rank: int) -> str | None:
+        """The side channel of P's rank ``rank`` (the one that writes to our rank ``rank``)."""
+        if rank < len(self.prefill_addresses):
+            return self.prefill_addresses[rank]
+        return self.prefill_address if rank == 0 else None
 
     def timeout_s(self, default_s: float) -> float:
         if not self.deadline_ms:
@@ -56,6 +65,17 @@ def read_params(kv_transfer_params: dict[str, Any] | None) -> TransferParams | N
     except (msgspec.ValidationError, TypeError) as exc:
         raise ValueError(f"invalid kv_transfer_params.{PARAMS_KEY}: {exc}") from None
     return None if params.mode is TransferMode.LOCAL else params
+
+
+def timing_of(kv_transfer_params: dict[str, Any] | None) -> Timing | None:
+    """The critical-path instants the decode connector put on a request's final output."""
+    raw = (kv_transfer_params or {}).get(TIMING_KEY)
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, Timing)
+    except (msgspec.ValidationError, TypeError):
+        return None
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -22,7 +22,10 @@ from msgspec import Meta
 PROTOCOL_VERSION: Final = 1
 PROTOCOL_HISTORY: Final = {
     1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat;"
-    " optional ``timing`` (Timing) on KvReady, KvPushed and the last TokenChunk",
+    " optional ``timing`` (Timing) on KvReady, KvPushed and the last TokenChunk;"
+    " optional ``rank`` (tensor-parallel rank; absent: 0) on BlocksAnnounced, KvReady,"
+    " KvPushed, KvFailed, AbortAck and Abort (absent on Abort: every rank), optional"
+    " ``side_channels`` (one per rank) on WorkerHeartbeat",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -34,6 +37,7 @@ MAX_BLOCK_ID: Final = 2**31 - 1
 MAX_BLOCK_RUNS: Final = 65_536
 MAX_STOP_STRINGS: Final = 16
 MAX_LAYERS: Final = 1024
+MAX_TP: Final = 1024
 
 WorkerId = Annotated[
     str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="worker id, one subject token")
@@ -62,6 +66,10 @@ BlockRun = Annotated[
     Meta(description="run of consecutive block ids: [first_block_id, count]"),
 ]
 BlockRuns = Annotated[list[BlockRun], Meta(max_length=MAX_BLOCK_RUNS)]
+TpRank = Annotated[
+    int,
+    Meta(ge=0, lt=MAX_TP, description="tensor-parallel rank: rank r of P pairs with rank r of D"),
+]
 
 
 class TransferMode(str, enum.Enum):
@@ -154,6 +162,7 @@ class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
     num_tokens: Count
     compat_hash: CompatHash
     side_channel: Address
+    rank: TpRank = 0  # D's rank that owns these blocks
 
 
 class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -189,6 +198,7 @@ class KvReady(msgspec.Struct, **_tag("KvReady")):
     compat_hash: CompatHash
     side_channel: Address
     timing: Timing | None = None  # P's prefill_received/start/end
+    rank: TpRank = 0  # P's rank that computed these blocks
 
 
 class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
@@ -211,6 +221,7 @@ class KvPushed(msgspec.Struct, **_tag("KvPushed")):
     push_ms: Millis
     layers: Annotated[list[LayerTiming], Meta(max_length=MAX_LAYERS)] = []
     timing: Timing | None = None  # P's prefill_received/start/end and kv_sent
+    rank: TpRank = 0  # the rank pair this push was
 
 
 class KvFailed(msgspec.Struct, **_tag("KvFailed")):
@@ -221,6 +232,7 @@ class KvFailed(msgspec.Struct, **_tag("KvFailed")):
     decode_id: WorkerId
     reason: FailReason
     detail: ShortText = ""
+    rank: TpRank = 0
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -248,6 +260,7 @@ class Abort(msgspec.Struct, **_tag("Abort")):
     transfer_id: TransferId
     sender: WorkerId
     reason: ShortText = ""
+    rank: TpRank | None = None  # the rank pair it ends; None: every rank
 
 
 class AbortAck(msgspec.Struct, **_tag("AbortAck")):
@@ -255,6 +268,7 @@ class AbortAck(msgspec.Struct, **_tag("AbortAck")):
 
     transfer_id: TransferId
     prefill_id: WorkerId
+    rank: TpRank = 0
 
 
 class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
@@ -271,6 +285,7 @@ class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
     total_blocks: Count
     sent_at_ms: UnixMillis
     draining: bool = False
+    side_channels: Annotated[list[Address], Meta(max_length=MAX_TP)] = []  # by rank
 
 
 ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = (

@@ -12,11 +12,13 @@ Load it without patching vLLM::
     }
 
 Requests opt in with ``kv_transfer_params = TransferParams(...).to_params()``; others run as on
-a plain engine. vLLM builds one instance per role: the scheduler role delegates to
-``SchedulerHalf`` (bookkeeping, no I/O), the worker role to ``WorkerHalf`` (NIXL + bus).
+a plain engine. vLLM builds one instance per role: the scheduler role (one per engine, in the
+engine core's process) delegates to ``SchedulerHalf`` (bookkeeping, the driver's contact point),
+the worker role (one per TP rank, wherever vLLM runs that rank) to ``WorkerHalf`` (NIXL + bus).
 
 Threading model: vLLM calls each instance from its engine thread (scheduler or worker); the
-worker half owns a poller thread and a bus thread (see ``runtime``).
+worker half owns a poller thread and a bus thread (see ``runtime``), the scheduler half a
+wake-up listener thread (see ``wake``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.tracing import configure_tracing_from_env
 from kvpush.connector.vllm import compat
-from kvpush.connector.vllm.metadata import KVPushMetadata
-from kvpush.connector.vllm.runtime import WorkerRuntime
+from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.vllm.scheduler import SchedulerHalf
 from kvpush.connector.vllm.worker import WorkerHalf
 
@@ -55,14 +56,28 @@ class KVPushConnector(KVConnectorBase_V1):
         # An engine in its own process traces only if the worker passed KVPUSH_TRACE_FILE or
         # OTEL_* down; in the worker's process this finds the provider already installed.
         configure_tracing_from_env(f"kvpush-{settings.role.value}")
+        engine_id = str(transfer_config.engine_id)
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(settings, block_size)
+            self._scheduler = SchedulerHalf(settings, block_size, engine_id)
         else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
             model = vllm_config.model_config
             model_id = settings.model_id or str(model.served_model_name or model.model)
-            self._worker = WorkerHalf(settings, model_id, str(model.dtype), block_size)
+            self._worker = WorkerHalf(
+                settings,
+                model_id,
+                str(model.dtype),
+                block_size,
+                engine_id,
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
+            )
 
     @classmethod
     def settings_from(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -71,14 +86,9 @@ class KVPushConnector(KVConnectorBase_V1):
 
     # ---- what an in-process driver reads (kvpush.connector.EngineLink) ---------------------
     @property
-    def runtime(self) -> WorkerRuntime | None:
-        """The worker half's runtime (None for the scheduler role)."""
-        return self._worker.runtime if self._worker is not None else None
-
-    @property
-    def last_step_idle(self) -> bool:
-        """Scheduler role: did the last step schedule no tokens at all?"""
-        return self._scheduler is not None and self._scheduler.last_step_idle
+    def scheduler_half(self) -> SchedulerHalf | None:
+        """The scheduler role's half: the driver's contact point (None for the worker role)."""
+        return self._scheduler
 
     # ---- worker role ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -104,6 +114,18 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None  # pushes are asynchronous; their source blocks stay held (delay_free)
+
+    def get_handshake_metadata(self) -> KVPushHandshake | None:
+        """This rank's identity for the scheduler half (vLLM collects it after registration)."""
+        info = self._worker.runtime.info if self._worker is not None else None
+        return KVPushHandshake(info) if info is not None else None
+
+    def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
+        """This rank's timing marks of the step, for the scheduler half."""
+        if self._worker is None:
+            return None
+        marks = self._worker.take_marks()
+        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}) if marks else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM 0.26's per-step question; a failed receive is finished with invalid blocks."""
@@ -152,12 +174,18 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshakes(metadata)
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

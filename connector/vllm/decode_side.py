@@ -106,9 +106,10 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
+        rank: int,
         block_size: int,
     ) -> None:
-        super().__init__(settings, transport, bus, runtime)
+        super().__init__(settings, transport, bus, runtime, rank)
         self.block_size = block_size
         self._probing: set[str] = set()  # suspected peers being probed
         me = settings.worker_id
@@ -119,7 +120,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
 
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
-        if not isinstance(message, (KvReady, KvFailed, AbortAck)):
+        if not isinstance(message, (KvReady, KvFailed, AbortAck)) or not self.mine(message):
             return
         with self.lock:
             if not self._deliver(message.transfer_id, message):
@@ -129,7 +130,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
     def on_pushed(self, subject: str, message: object) -> None:
         """KvPushed is P's report (the NIXL notice already completed the receive): its
         instants go to the marks table for the request's TokenChunk."""
-        if isinstance(message, KvPushed):
+        if isinstance(message, KvPushed) and self.mine(message):
             self.runtime.marks.record_timing(message.transfer_id, message.timing)
 
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
@@ -210,11 +211,12 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
     def _receive(self, item: DecodeWork) -> None:
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
-        inc = Incoming(item, time.monotonic() + timeout, peer=item.params.prefill_address)
+        peer = item.params.prefill_address_of(self.rank)
+        inc = Incoming(item, time.monotonic() + timeout, peer=peer)
         self._track(tid, inc)
         started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
-            self.transport.expect(tid, timeout, peer=item.params.prefill_address)
+            self.transport.expect(tid, timeout, peer=peer)
             inc.advance(IncomingState.RECEIVING)
             self.bus.publish(
                 subjects.blocks(item.params.prefill_id),
@@ -227,6 +229,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                     num_tokens=item.num_tokens,
                     compat_hash=self.transport.compat_hash,
                     side_channel=self.transport.address,
+                    rank=self.rank,
                 ),
                 trace_parent(item.params.traceparent),
             )
@@ -245,7 +248,10 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         self.bus.publish(
             subjects.abort(item.params.prefill_id),
             Abort(
-                transfer_id=item.params.transfer_id, sender=self.settings.worker_id, reason=reason
+                transfer_id=item.params.transfer_id,
+                sender=self.settings.worker_id,
+                reason=reason,
+                rank=self.rank,
             ),
             trace_parent(item.params.traceparent),
         )

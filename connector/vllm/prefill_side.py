@@ -55,10 +55,11 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
+        rank: int,
         num_layers: int,
         block_size: int,
     ) -> None:
-        super().__init__(settings, transport, bus, runtime)
+        super().__init__(settings, transport, bus, runtime, rank)
         self.num_layers = num_layers
         self.block_size = block_size
         self._tid_of: dict[str, str] = {}  # req_id -> transfer_id
@@ -68,7 +69,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
 
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
-        if not isinstance(message, (BlocksAnnounced, Abort)):
+        if not isinstance(message, (BlocksAnnounced, Abort)) or not self.mine(message):
             return
         with self.lock:
             self._deliver(message.transfer_id, message)
@@ -198,6 +199,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 compat_hash=self.transport.compat_hash,
                 side_channel=self.transport.address,
                 timing=out.timing(),
+                rank=self.rank,
             ),
         )
         emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), span_attrs(out))
@@ -257,11 +259,16 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         push_ms=event.elapsed_ms,
                         layers=event.layers,
                         timing=out.timing(event.ended_ns),
+                        rank=self.rank,
                     ),
                 )
                 emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), span_attrs(out))
         elif state is TransferState.ABORTED:
-            self._publish(p, subjects.abort(p.decode_id), AbortAck(transfer_id=tid, prefill_id=me))
+            self._publish(
+                p,
+                subjects.abort(p.decode_id),
+                AbortAck(transfer_id=tid, prefill_id=me, rank=self.rank),
+            )
         else:
             self._publish(
                 p,
@@ -272,6 +279,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                     decode_id=p.decode_id,
                     reason=reason or FailReason.TRANSFER,
                     detail=detail[:1000],
+                    rank=self.rank,
                 ),
             )
         emit_settled_spans(out, state, event, detail)

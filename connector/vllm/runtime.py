@@ -1,32 +1,31 @@
-"""One engine's connector runtime: what the worker half shares with its sides and its driver.
+"""One engine's connector runtime: what a worker half shares with its sides.
 
-vLLM builds the scheduler half and the worker half of a connector as two objects, in one process
-(uniproc executor) or two (multiprocess executor). The worker half owns one ``WorkerRuntime``
-and one ``BusThread``, and hands both to its prefill or decode side; nothing here is a module
-global, so two engines (or two TP ranks) in one process never share state by chance.
+vLLM builds the scheduler half and the worker halves of a connector as separate objects: one
+scheduler half in the engine core's process, one worker half per TP rank (in that process with
+the uniproc executor, in a worker process each with the multiprocess executor). Each worker half
+owns one ``WorkerRuntime`` and one ``BusThread`` and hands both to its prefill or decode side;
+nothing here is a module global, so two engines (or two TP ranks) in one process never share
+state by chance. What the engine's driver must learn travels through vLLM's own channels (see
+``scheduler.py``), never through this object.
 
 ``WorkerRuntime`` carries:
 
-- ``activity`` (a ``threading.Event``), set whenever something happened that only an engine step
-  can act on: a transfer finished or failed, an announcement or a KvReady arrived, an abort.
-- ``pending()``: work the connector still has to report through an engine step (a push in flight
-  on P, a receive on D). A driver that sees ``pending() > 0`` and an idle step waits on
-  ``activity`` instead of stepping in a loop.
+- ``notify()``: something happened that only an engine step can act on (a transfer finished or
+  failed, an announcement or a KvReady arrived, an abort); it wakes the scheduler half's
+  listener (``wake.py``), whatever process that is in.
 - ``suspect_peer`` / ``take_suspects``: side-channel addresses the worker service believes dead
-  (a prefill worker's heartbeat lease ran out); the decode side probes them.
-- ``info``: this half's identity once its KV cache is registered (worker id, role, side channel,
-  compatibility hash), for the heartbeat.
-- ``marks``: the critical-path instants learned per transfer (``TimingMarks``), which the decode
-  worker puts on the request's last TokenChunk.
+  (a prefill worker's heartbeat lease ran out; they come down in the step metadata); the decode
+  side probes them.
+- ``info``: this rank's identity once its KV cache is registered (worker id, role, rank, side
+  channel, compatibility hash), which vLLM hands to the scheduler half at start.
+- ``marks``: the critical-path instants learned per transfer (``TimingMarks``), sent to the
+  scheduler half with each step's output and put on the request's final output there.
 
-An in-process driver reaches it through ``kvpush.connector.EngineLink`` (the engine's connector
-object); in a multiprocess engine it lives in the worker process.
-
-Threading model: ``WorkerRuntime`` and ``TimingMarks`` are safe from any thread (one lock each;
-``activity`` is an Event). ``BusThread`` owns one asyncio loop on a daemon thread named
-``kvpush-bus``; callers on other threads use ``publish`` (fire and forget, bounded by the loop's
-queue) and ``subscribe`` (handlers run on the bus thread and must be quick and thread-safe).
-``close`` drains and stops it.
+Threading model: ``WorkerRuntime`` and ``TimingMarks`` are safe from any thread (one lock each).
+``BusThread`` owns one asyncio loop on a daemon thread named ``kvpush-bus``; callers on other
+threads use ``publish`` (fire and forget, bounded by the loop's queue) and ``subscribe``
+(handlers run on the bus thread and must be quick and thread-safe). ``close`` drains and stops
+it.
 """
 
 from __future__ import annotations
@@ -58,6 +57,8 @@ class ConnectorInfo(msgspec.Struct, frozen=True):
     role: str
     side_channel: str
     compat_hash: str
+    rank: int = 0  # TP rank of this worker half
+    tp_size: int = 1
 
 
 class TimingMarks:
@@ -82,6 +83,13 @@ class TimingMarks:
         if timing is not None:
             self.record(transfer_id, **msgspec.structs.asdict(timing))
 
+    def take_all(self) -> dict[str, Timing]:
+        """Everything recorded so far, by transfer id (and forget it)."""
+        with self._lock:
+            entries = list(self._marks.items())
+            self._marks.clear()
+        return {tid: Timing(**entry) for tid, entry in entries if entry}
+
     def take(self, transfer_id: str) -> Timing | None:
         """The instants recorded for ``transfer_id`` (and forget them); None if none."""
         with self._lock:
@@ -92,23 +100,16 @@ class TimingMarks:
 class WorkerRuntime:
     """The worker half's shared state; see the module docstring."""
 
-    def __init__(self) -> None:
-        self.activity = threading.Event()
+    def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
+        self._wake = wake
         self.marks = TimingMarks()
         self.info: ConnectorInfo | None = None
         self._lock = threading.Lock()
-        self._pending = 0
         self._suspects: set[str] = set()
 
-    def add_pending(self, delta: int) -> None:
-        with self._lock:
-            self._pending += delta
-
-    def pending(self) -> int:
-        return self._pending
-
     def notify(self) -> None:
-        self.activity.set()
+        """Ask for an engine step soon (the scheduler half's listener wakes the driver)."""
+        self._wake()
 
     def suspect_peer(self, address: str) -> None:
         """A peer's side channel that may be dead (its heartbeat lease ran out, or it came back

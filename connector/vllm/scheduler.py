@@ -1,10 +1,19 @@
-"""Scheduler half of ``KVPushConnector``: bookkeeping only, no I/O.
+"""Scheduler half of ``KVPushConnector``: bookkeeping, and the engine's contact point.
 
 Runs inside vLLM's scheduler (the EngineCore thread). It decides, per request, whether KV comes
 from a peer (decode: report the prompt's missing tokens as loaded asynchronously), records which
-blocks a transfer uses, and hands that to the worker half in ``KVPushMetadata`` every step. All
-bus and NIXL traffic happens in the worker half (``worker.py``), which therefore works the same
-whether the worker lives in this process or another.
+blocks a transfer uses, and hands that to every worker half (one per TP rank) in
+``KVPushMetadata`` every step. All bus and NIXL traffic happens in the worker halves
+(``worker.py``), which therefore work the same whether they live in this process or others.
+
+It is also what the engine's driver talks to (``kvpush.connector.EngineLink``), and everything
+it knows came through vLLM or the wake-up line, never through shared Python state:
+- ``ranks``: each rank's ``ConnectorInfo``, from vLLM's handshake-metadata call at start;
+- ``activity``: set by ``WakeListener`` whenever a worker half calls ``notify``;
+- ``pending()``: transfers not yet reported finished by every rank (vLLM counts the ranks);
+- ``suspect_peer``: addresses the driver names go down in the next step's metadata;
+- timing marks come up with each step's output (``KVPushWorkerMeta``) and leave on the
+  request's final output (``kv_transfer_params``, read back with ``params.timing_of``).
 
 Decode (push or pull):
   get_num_new_matched_tokens -> (prompt tokens beyond the local prefix hit, async=True)
@@ -18,16 +27,21 @@ Prefill:
   request_finished -> delay_free=True until the worker reports the push finished (rule 4);
   ``has_pending_push_work`` keeps the engine stepping until then.
 
-Threading model: called only on the scheduler thread; an in-process driver reads
-``last_step_idle`` (a bool) from the engine thread, which is the same thread.
+Threading model: vLLM calls it on the scheduler thread; an in-process driver calls it from the
+engine thread, which is the same thread (``suspect_peer`` takes a lock: it may come from
+another). ``WakeListener`` owns one daemon thread that only sets ``activity``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
+import msgspec
+
 from kvpush.connector.params import (
+    TIMING_KEY,
     ConnectorSettings,
     DecodeWork,
     PrefillWork,
@@ -37,20 +51,29 @@ from kvpush.connector.params import (
     read_params,
 )
 from kvpush.connector.tracing import emit_span, now_ns
-from kvpush.connector.vllm.metadata import KVPushMetadata
+from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
+from kvpush.connector.vllm.runtime import ConnectorInfo, TimingMarks
+from kvpush.connector.vllm.wake import WakeListener
 from kvpush.schemas.messages import WorkerRole
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+    def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
         self.settings = settings
         self.block_size = block_size
         self.is_decode = settings.role is WorkerRole.DECODE
+        self._wake = WakeListener(engine_id)
+        self.activity: threading.Event = self._wake.event
+        self.ranks: dict[int, ConnectorInfo] = {}
+        self._marks = TimingMarks()
+        self._lock = threading.Lock()
+        self._suspects: list[str] = []
         self._meta = KVPushMetadata()
         # decode: req_id -> params of receives announced and not yet reported finished
         self._receiving: dict[str, TransferParams] = {}
+        self._aborting: set[str] = set()  # decode: ended requests whose receive is not over
         self._handled: set[str] = set()  # decode requests already given a receive or LOCAL
         # prefill: req_id -> (params, block ids so far, prompt tokens) while still in prefill
         self._prefilling: dict[str, tuple[TransferParams, list[int], int]] = {}
@@ -113,6 +136,7 @@ class SchedulerHalf:
     def receive_finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._receiving.pop(req_id, None)
+            self._aborting.discard(req_id)
 
     # ---- prefill side ---------------------------------------------------------------------
     def _prefill_step(
@@ -171,16 +195,43 @@ class SchedulerHalf:
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_push)
 
+    # ---- the driver's side -------------------------------------------------------------------
+    def set_handshakes(self, handshakes: dict[int, Any]) -> None:
+        """vLLM's handshake metadata of every rank, once the KV caches are registered."""
+        for rank, handshake in handshakes.items():
+            if isinstance(handshake, KVPushHandshake):
+                self.ranks[rank] = handshake.info
+
+    def pending(self) -> int:
+        """Transfers some rank has not reported finished yet."""
+        return len(self._awaiting_push) + len(self._receiving) + len(self._aborting)
+
+    def suspect_peer(self, address: str) -> None:
+        """Tell every rank (next step) that the peer at ``address`` may be gone."""
+        with self._lock:
+            self._suspects.append(address)
+        self.activity.set()
+
+    def shutdown(self) -> None:
+        self._wake.close()
+
     # ---- both ---------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMetadata:
         if not self.is_decode:
             self._collect_prefill(scheduler_output)
         meta, self._meta = self._meta, KVPushMetadata()
+        with self._lock:
+            meta.suspects, self._suspects = self._suspects, []
         meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
         self.last_step_idle = meta.idle_step
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, KVPushWorkerMeta):
+            for tid, timings in worker_meta.marks.items():
+                for timing in timings:
+                    self._marks.record_timing(tid, timing)
         self.receive_finished(set(output.finished_recving or ()))
         self.push_finished(set(output.finished_sending or ()))
 
@@ -191,7 +242,12 @@ class SchedulerHalf:
             params = self._receiving.pop(req_id, None)
             if params is not None:  # ended while its KV was still on the way
                 self._meta.decode.append(DecodeWork(ReceiveKind.ABORT, req_id, params))
-            return False, None
+                self._aborting.add(req_id)
+            mine = params or read_params(request.kv_transfer_params)
+            timing = self._marks.take(mine.transfer_id) if mine is not None else None
+            if timing is None:
+                return False, None
+            return False, {TIMING_KEY: msgspec.to_builtins(timing)}
         self._prefilling.pop(req_id, None)
         if not block_ids or read_params(request.kv_transfer_params) is None:
             return False, None

@@ -1,11 +1,12 @@
 """What the prefill and the decode side of the worker half share: the transfers in flight by id,
-the bus messages that arrived before their transfer (bounded), the pending count, and the
-checked state transition of their per-transfer objects.
+the bus messages that arrived before their transfer (bounded), this half's TP rank (a side
+takes only its rank pair's messages: ``mine``), and the checked state transition of their
+per-transfer objects.
 
 ``SideBase._deliver`` is the bus-thread entry: a message for a known transfer is applied, one for
 an unknown transfer is kept in ``_early`` (at most ``max_pending_announcements``, oldest dropped)
 until ``_track`` registers the transfer and ``_apply_early`` hands it over. ``_forget`` ends the
-tracking. Each registered transfer counts once in the runtime's ``pending()``.
+tracking.
 
 Threading model: every method is called with ``self.lock`` held (an RLock: the bus thread and
 the engine thread both enter).
@@ -44,14 +45,21 @@ class SideBase(Generic[Entry, Message]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
+        rank: int,
     ) -> None:
         self.settings = settings
+        self.rank = rank
         self.transport = transport
         self.bus = bus
         self.runtime = runtime
         self.lock = threading.RLock()
         self._by_tid: dict[str, Entry] = {}
         self._early: BoundedDict[str, Message] = BoundedDict(settings.max_pending_announcements)
+
+    def mine(self, message: object) -> bool:
+        """Is ``message`` for this rank? (``rank`` None: an Abort for every rank.)"""
+        rank = getattr(message, "rank", 0)
+        return rank is None or rank == self.rank
 
     def _apply(self, entry: Entry, message: Message) -> None:
         raise NotImplementedError
@@ -67,7 +75,6 @@ class SideBase(Generic[Entry, Message]):
 
     def _track(self, transfer_id: str, entry: Entry) -> None:
         self._by_tid[transfer_id] = entry
-        self.runtime.add_pending(1)
 
     def _apply_early(self, transfer_id: str, entry: Entry) -> None:
         """Hand ``entry`` the message that came before it, if one did."""
@@ -77,4 +84,3 @@ class SideBase(Generic[Entry, Message]):
 
     def _forget(self, transfer_id: str) -> None:
         del self._by_tid[transfer_id]
-        self.runtime.add_pending(-1)

@@ -7,8 +7,11 @@ every engine step: ``bind`` hands this step's ``KVPushMetadata`` to the prefill 
 ``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
 failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
 
-The half owns this engine's ``WorkerRuntime`` (wake-up signal, pending count, suspects, timing
-marks, ``info``) and its own ``BusThread``; ``runtime`` is how an in-process driver reaches them.
+With tensor parallelism there is one worker half per TP rank, each with its own NIXL agent,
+side channel and bus connection; rank r pairs with rank r of the peer (``rank`` on every bus
+message of a transfer). The half owns its rank's ``WorkerRuntime`` (wake-up line, suspects,
+timing marks, ``info``) and ``BusThread``; what the driver must learn goes up through vLLM:
+``handshake`` (this rank's ``ConnectorInfo``, once) and ``worker_meta`` (timing marks, each step).
 
 Threading model: vLLM calls every method on its worker thread. The Poller thread only queues
 transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``.
@@ -31,7 +34,8 @@ from kvpush.connector.vllm.decode_side import DecodeSide
 from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import BusThread, ConnectorInfo, WorkerRuntime
-from kvpush.schemas.messages import WorkerRole
+from kvpush.connector.vllm.wake import WakeSender
+from kvpush.schemas.messages import Timing, WorkerRole
 
 log = logging.getLogger(__name__)
 SIDE_CHANNEL_TOKEN_ENV = "KVPUSH_SIDE_CHANNEL_TOKEN"  # shared secret of every P and D
@@ -40,15 +44,25 @@ LAYOUT = "vllm-paged-LBHNC"  # one [blocks, kv_heads, block_size, 2*head_dim] te
 
 class WorkerHalf:
     def __init__(
-        self, settings: ConnectorSettings, model_id: str, dtype: str, block_size: int
+        self,
+        settings: ConnectorSettings,
+        model_id: str,
+        dtype: str,
+        block_size: int,
+        engine_id: str,
+        rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         self.settings = settings
         self.model_id = model_id
         self.dtype = dtype
         self.block_size = block_size
+        self.rank = rank
+        self.tp_size = tp_size
         self.transport: KvTransport | None = None
         self.poller: Poller | None = None
-        self.runtime = WorkerRuntime()
+        self._waker = WakeSender(engine_id)
+        self.runtime = WorkerRuntime(self._waker.notify)
         self.bus: BusThread | None = None
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
@@ -59,15 +73,20 @@ class WorkerHalf:
         self._layer_index = {name: i for i, name in enumerate(names)}
         layout = pool_layout([[kv_caches[name]] for name in names])
         compat = CompatInfo(
-            model=self.model_id, dtype=self.dtype, block_size=self.block_size, layout=LAYOUT
+            model=self.model_id,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            layout=LAYOUT,
+            tp=self.tp_size,
         )
         s = self.settings
+        rank_id = s.worker_id if self.tp_size == 1 else f"{s.worker_id}-tp{self.rank}"
         self.transport = KvTransport(
             TransportConfig(
-                worker_id=s.worker_id,
+                worker_id=rank_id,
                 compat=compat,
                 host=s.side_channel_host,
-                port=s.side_channel_port,
+                port=s.side_channel_port + self.rank if s.side_channel_port else 0,
                 advertise_host=s.advertise_host,
                 backend_params={"ucx_error_handling_mode": s.ucx_error_handling_mode},
                 token=os.environ.get(SIDE_CHANNEL_TOKEN_ENV) or None,
@@ -76,23 +95,34 @@ class WorkerHalf:
         )
         rt = self.runtime
         self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=rt.notify)
-        self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{s.worker_id}"))
+        self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
         if s.role is WorkerRole.PREFILL:
-            self.prefill = PrefillSide(s, self.transport, self.bus, rt, len(names), self.block_size)
+            self.prefill = PrefillSide(
+                s, self.transport, self.bus, rt, self.rank, len(names), self.block_size
+            )
         else:
-            self.decode = DecodeSide(s, self.transport, self.bus, rt, self.block_size)
+            self.decode = DecodeSide(s, self.transport, self.bus, rt, self.rank, self.block_size)
         rt.info = ConnectorInfo(
-            s.worker_id, s.role.value, self.transport.address, self.transport.compat_hash
+            s.worker_id,
+            s.role.value,
+            self.transport.address,
+            self.transport.compat_hash,
+            self.rank,
+            self.tp_size,
         )
         log.info(
-            "kvpush %s %s: %d layers registered, side channel %s",
+            "kvpush %s %s rank %d/%d: %d layers registered, side channel %s",
             s.role.value,
             s.worker_id,
+            self.rank,
+            self.tp_size,
             len(names),
             self.transport.address,
         )
 
     def bind(self, meta: KVPushMetadata) -> None:
+        for address in meta.suspects:
+            self.runtime.suspect_peer(address)
         if self.prefill is not None:
             self.prefill.on_work(meta.prefill)
         elif self.decode is not None and meta.decode:
@@ -132,7 +162,12 @@ class WorkerHalf:
             return set(), recving, failed
         return set(), set(), {}
 
+    def take_marks(self) -> dict[str, Timing]:
+        """The timing marks learned since the last step (for the scheduler half)."""
+        return self.runtime.marks.take_all()
+
     def shutdown(self) -> None:
+        self._waker.close()
         if self.poller is not None:
             self.poller.stop()
         if self.transport is not None:

@@ -44,6 +44,8 @@ class WorkerConfig:
     model_name: str
     nats_url: str = DEFAULT_NATS_URL
     cpu_cores: list[int] | None = None
+    tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
+    executor: str = ""  # "uni" or "mp"; "": uni at TP 1, mp above
     max_inflight: int = 64  # accepted requests at once; past it: refused at once
     max_model_len: int = 4096
     kv_cache_gib: int = 1
@@ -84,6 +86,8 @@ class WorkerConfig:
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=self.max_inflight,
             cpu_cores=self.cpu_cores,
+            tensor_parallel_size=self.tensor_parallel_size,
+            executor=self.executor,
             kv_transfer_config={
                 "kv_connector": connector,
                 "kv_connector_module_path": module,
@@ -157,6 +161,21 @@ SETTINGS: tuple[Setting, ...] = (
         parse_cpus,
         "pin the engine to these cores, e.g. 0 or 0-3 (default: not pinned)",
         metavar="LIST",
+    ),
+    Setting(
+        "tensor_parallel_size",
+        ("--tensor-parallel-size", "--tp"),
+        int,
+        "tensor-parallel ranks, one worker process each, sharing --cpus (default 1); P and D"
+        " must use the same",
+    ),
+    Setting(
+        "executor",
+        ("--executor",),
+        str,
+        "where the model runs: uni (this process) or mp (a process per rank); default: uni at"
+        " TP 1, mp above",
+        choices=("uni", "mp"),
     ),
     Setting(
         "max_inflight",

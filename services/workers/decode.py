@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 
-from kvpush.connector import BoundedDict, emit_span, monotonic_to_ns, tracing_on
+from kvpush.connector import BoundedDict, emit_span, monotonic_to_ns, timing_of, tracing_on
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
@@ -83,7 +83,8 @@ class DecodeWorker(Worker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.prefill_addresses: BoundedDict[str, str] = BoundedDict(MAX_PREFILL_PEERS)
+        # prefill worker id -> its side channels, one per TP rank
+        self.prefill_addresses: BoundedDict[str, list[str]] = BoundedDict(MAX_PREFILL_PEERS)
         # worker id -> (epoch, last heartbeat, monotonic) of each prefill worker heard from
         self._prefill_seen: dict[str, tuple[int, float]] = {}
         self._lease_task: asyncio.Task[None] | None = None
@@ -113,9 +114,10 @@ class DecodeWorker(Worker):
             for worker_id, (_, seen) in list(self._prefill_seen.items()):
                 if now - seen > lease:
                     del self._prefill_seen[worker_id]
-                    address = self.prefill_addresses.get(worker_id)
-                    if address:
+                    addresses = self.prefill_addresses.get(worker_id) or []
+                    if addresses:
                         log.warning("prefill %s silent for %.1f s: probing it", worker_id, lease)
+                    for address in addresses:
                         self.host.link.suspect_peer(address)
 
     async def _on_heartbeat(self, subject: str, message: object) -> None:
@@ -123,21 +125,21 @@ class DecodeWorker(Worker):
             self._learn(message)
 
     def _learn(self, beat: WorkerHeartbeat) -> None:
-        previous = self.prefill_addresses.get(beat.worker_id)
+        previous = self.prefill_addresses.get(beat.worker_id) or []
+        current = list(beat.side_channels) or [beat.side_channel]
         epoch = self._prefill_seen.get(beat.worker_id, (beat.epoch, 0.0))[0]
-        if previous and (previous != beat.side_channel or epoch != beat.epoch):
-            self.host.link.suspect_peer(
-                previous
-            )  # restarted: its old incarnation sends nothing more
+        if previous and (previous != current or epoch != beat.epoch):
+            for address in previous:  # restarted: its old incarnation sends nothing more
+                self.host.link.suspect_peer(address)
         self._prefill_seen[beat.worker_id] = (beat.epoch, time.monotonic())
-        self.prefill_addresses.refresh(beat.worker_id, beat.side_channel)
+        self.prefill_addresses.refresh(beat.worker_id, current)
 
     async def serve(self, entry: InFlight) -> None:
         event = entry.event
         rid, tid = event.request_id, event.transfer_id
         local = event.mode is TransferMode.LOCAL
-        address = self.prefill_addresses.get(event.prefill_id)
-        params = None if local else self.kv_params(entry, address)
+        addresses = self.prefill_addresses.get(event.prefill_id)
+        params = None if local else self.kv_params(entry, addresses)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:
             await self._send(event, 0, [], "", FinishReason.ABORT, 0, _abort_error(entry))
@@ -149,7 +151,7 @@ class DecodeWorker(Worker):
             len(event.prompt_token_ids),
             event.mode.value,
             event.prefill_id,
-            address,
+            addresses,
         )
         seq = count = 0
         held_ids: list[int] = []  # stream=false: everything goes in the last chunk
@@ -167,7 +169,7 @@ class DecodeWorker(Worker):
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
             ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
-            marks = _trace(entry, handle, self.host.link.take_timing(entry.event.transfer_id))
+            marks = _trace(entry, handle, timing_of(out.kv_transfer_params))
             await self._send(event, seq, ids, text, reason, count, error, marks)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at

@@ -1,9 +1,12 @@
-"""EngineHost: one vLLM sync ``LLMEngine`` in this process, driven by one dedicated thread.
+"""EngineHost: one vLLM sync ``LLMEngine`` core in this process, driven by one dedicated thread.
 
-Owns the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``InprocClient`` + uniproc executor, so
-scheduler, model worker and the kvpush connector all run on the engine thread; no IPC, no 1 kHz
-busy loop), one ``RequestHandle`` per live request, and a command queue bounded by
-``max_queued_commands`` (beyond it ``submit``/``abort``/queries raise RuntimeError).
+Owns the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``InprocClient``, so vLLM's scheduler and
+the connector's scheduler half run on the engine thread; no engine-core process, no 1 kHz busy
+loop), one ``RequestHandle`` per live request, and a command queue bounded by
+``max_queued_commands`` (beyond it ``submit``/``abort``/queries raise RuntimeError). The model
+runs in this process too (``executor="uni"``, TP 1) or in vLLM's multiprocess executor
+(``executor="mp"``, the only choice for TP > 1): one worker process per TP rank, each with its
+own connector worker half, the cores split between ranks (``VLLM_CPU_OMP_THREADS_BIND``).
 
 Threading: vLLM objects live on the thread ``kvpush-engine`` only; other threads queue commands
 and set the wake event. The engine thread loops: clear the wake event; run queued commands; if
@@ -54,8 +57,34 @@ class EngineConfig:
     enforce_eager: bool = True
     max_num_seqs: int = 64
     cpu_cores: list[int] | None = None
+    tensor_parallel_size: int = 1
+    executor: str = ""  # "uni" (model in this process) or "mp" (a process per rank); "": auto
     idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us
     max_queued_commands: int = 4096
+
+    @property
+    def tp(self) -> int:
+        return max(1, self.tensor_parallel_size)
+
+    @property
+    def backend(self) -> str:
+        """vLLM's ``distributed_executor_backend``: "mp" for TP > 1 or when asked."""
+        if self.executor not in ("", "uni", "mp"):
+            raise ValueError(f"executor must be 'uni' or 'mp', not {self.executor!r}")
+        if self.tp > 1 and self.executor == "uni":
+            raise ValueError("tensor parallelism needs the multiprocess executor ('mp')")
+        return "mp" if self.tp > 1 or self.executor == "mp" else "uni"
+
+
+def rank_core_lists(cores: list[int], tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks: the cores split evenly, in order (a rank
+    gets a core of its own when there are fewer cores than ranks: they share round robin)."""
+    if len(cores) < tp:
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
+    share = len(cores) // tp
+    lists = [cores[rank * share : (rank + 1) * share] for rank in range(tp)]
+    lists[-1] = cores[(tp - 1) * share :]
+    return "|".join(",".join(map(str, ranks)) for ranks in lists)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +201,10 @@ class EngineHost:
         env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
         if cfg.cpu_cores:
-            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND; in process the
-            # affinity set here is what pins (OpenMP threads inherit it from the engine thread).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cfg.cpu_cores))
+            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (one core list
+            # per rank, "|" between); in process the affinity set here is what pins (OpenMP
+            # threads inherit it from the engine thread).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(cfg.cpu_cores, cfg.tp)
             env["OMP_NUM_THREADS"] = str(len(cfg.cpu_cores))
             for task in os.listdir("/proc/self/task"):
                 with contextlib.suppress(OSError):  # a thread that exited meanwhile
@@ -202,6 +232,7 @@ class EngineHost:
         names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
         kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
         kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg, disable_log_stats=True)
+        kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore
         step_fn = core.step_fn

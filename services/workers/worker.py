@@ -90,6 +90,7 @@ class Worker:
         self.epoch = now_ms()
         self.host = EngineHost(config.engine_config())
         self.side_channel = ""
+        self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
         self._inflight: dict[str, InFlight] = {}
@@ -135,8 +136,8 @@ class Worker:
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
-        info = self.host.link.info
-        self.side_channel = info.side_channel if info is not None else ""
+        self.side_channels = [info.side_channel for info in self.host.link.ranks]
+        self.side_channel = self.side_channels[0] if self.side_channels else ""
         self._free_blocks = self.host.total_blocks()
         self._registry = await Registry.open(self.bus, cfg.registry_ttl_s, cfg.registry_replicas)
         log.info(
@@ -286,7 +287,9 @@ class Worker:
         )
         return entry.handle
 
-    def kv_params(self, entry: InFlight, prefill_address: str | None = None) -> dict[str, Any]:
+    def kv_params(
+        self, entry: InFlight, prefill_addresses: list[str] | None = None
+    ) -> dict[str, Any]:
         """The connector's ``kv_transfer_params`` for ``entry`` (trace context included)."""
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -298,7 +301,8 @@ class Worker:
             mode=event.mode,
             deadline_ms=event.deadline_ms,
             traceparent=carrier.get("traceparent"),
-            prefill_address=prefill_address,
+            prefill_address=prefill_addresses[0] if prefill_addresses else None,
+            prefill_addresses=list(prefill_addresses or []),
             received_ns=entry.received_ns,
         ).to_params()
 
@@ -338,6 +342,7 @@ class Worker:
             epoch=self.epoch,
             model=self.config.model_name,
             side_channel=self.side_channel,
+            side_channels=self.side_channels,
             in_flight=len(self._inflight),
             queue_depth=waiting,
             free_blocks=self._free_blocks,

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvpush.connector import timing_of
 from kvpush.services.workers.engine import EngineConfig
 
 P_CORES = [0]
@@ -140,7 +141,8 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
                 continue
             handles.pop(rid, None)
             results.append(_output_dict(out, handle))
-            marks = host.link.take_timing(transfer_of.pop(rid, ""))
+            transfer_of.pop(rid, None)
+            marks = timing_of(out.kv_transfer_params)
             results[-1]["kv_landed_ns"] = marks.kv_landed if marks is not None else 0
         send("reply", seq, True, results)
 

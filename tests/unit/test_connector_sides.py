@@ -78,19 +78,20 @@ def event(state: TransferState, role: Role = Role.PUSH) -> TransferEvent:
     return TransferEvent(TID, role, state, quiesced=True)
 
 
-def prefill_side(rec: Recorder) -> tuple[PrefillSide, WorkerRuntime]:
+def prefill_side(rec: Recorder, rank: int = 0) -> tuple[PrefillSide, WorkerRuntime]:
     runtime = WorkerRuntime()
     settings = ConnectorSettings(worker_id="p0", role=WorkerRole.PREFILL)
-    return PrefillSide(settings, rec, rec, runtime, LAYERS, BLOCK), runtime  # type: ignore[arg-type]
+    side = PrefillSide(settings, rec, rec, runtime, rank, LAYERS, BLOCK)  # type: ignore[arg-type]
+    return side, runtime
 
 
 def decode_side(rec: Recorder) -> tuple[DecodeSide, WorkerRuntime]:
     runtime = WorkerRuntime()
     settings = ConnectorSettings(worker_id="d0", role=WorkerRole.DECODE)
-    return DecodeSide(settings, rec, rec, runtime, BLOCK), runtime  # type: ignore[arg-type]
+    return DecodeSide(settings, rec, rec, runtime, 0, BLOCK), runtime  # type: ignore[arg-type]
 
 
-def announcement(compat: str = OURS) -> BlocksAnnounced:
+def announcement(compat: str = OURS, rank: int = 0) -> BlocksAnnounced:
     return BlocksAnnounced(
         transfer_id=TID,
         decode_id="d0",
@@ -100,6 +101,7 @@ def announcement(compat: str = OURS) -> BlocksAnnounced:
         num_tokens=8,
         compat_hash=compat,
         side_channel="tcp://127.0.0.1:2",
+        rank=rank,
     )
 
 
@@ -109,11 +111,11 @@ def work(completes: bool) -> list[PrefillWork]:
 
 def test_push_streams_layers_then_settles_and_releases_once_the_request_ended() -> None:
     rec = Recorder()
-    side, runtime = prefill_side(rec)
+    side, _ = prefill_side(rec)
     side.on_bus("", announcement())  # before the request: kept for it
     side.on_work(work(completes=False))
     out = side._by_tid[TID]
-    assert out.state is OutgoingState.WAITING and runtime.pending() == 1
+    assert out.state is OutgoingState.WAITING and len(side._by_tid) == 1
     side.on_work(work(completes=True))
     assert out.state is OutgoingState.STREAMING and rec.names() == ["start_push"]
     for layer in range(LAYERS):
@@ -122,7 +124,24 @@ def test_push_streams_layers_then_settles_and_releases_once_the_request_ended() 
     assert out.state is OutgoingState.POSTED
     assert side.collect(set(), [event(TransferState.DONE)]) == set()  # request still running
     assert out.state is OutgoingState.SETTLED and len(rec.messages(KvPushed)) == 1
-    assert side.collect({"r0"}, []) == {"r0"} and runtime.pending() == 0
+    assert side.collect({"r0"}, []) == {"r0"} and not side._by_tid
+
+
+def test_a_tp_rank_takes_only_its_rank_pairs_messages_and_aborts_for_every_rank() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec, rank=1)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0))  # rank 0 of D pairs with rank 0 of P: not ours
+    assert side._by_tid[TID].state is OutgoingState.WAITING and rec.names() == []
+    side.on_bus("", announcement(rank=1))
+    assert side._by_tid[TID].state is OutgoingState.STREAMING and rec.names() == ["start_push"]
+    side.on_bus("", Abort(transfer_id=TID, sender="gw", reason="client gone"))  # rank None
+    assert rec.names()[-1] == "abort"
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    side.collect({"r0"}, [event(TransferState.ABORTED)])
+    acks = rec.messages(AbortAck)
+    assert len(acks) == 1 and acks[0].rank == 1  # P's rank 1 answers D's rank 1
 
 
 def test_an_announcement_of_another_layout_is_refused_before_any_write() -> None:
@@ -167,7 +186,7 @@ def receive(kind: ReceiveKind, mode: TransferMode) -> list[DecodeWork]:
 
 def test_decode_push_abort_holds_the_blocks_until_prefill_acknowledges() -> None:
     rec = Recorder()
-    side, runtime = decode_side(rec)
+    side, _ = decode_side(rec)
     side.on_work(receive(ReceiveKind.PUSH, TransferMode.PUSH))
     inc = side._by_tid[TID]
     assert inc.state is IncomingState.RECEIVING and rec.messages(BlocksAnnounced)
@@ -178,7 +197,7 @@ def test_decode_push_abort_holds_the_blocks_until_prefill_acknowledges() -> None
     assert rec.names()[-1] == "acknowledged"
     finished, failed = side.collect([event(TransferState.ABORTED, Role.TARGET)])
     assert finished == {"r0"} and failed == {}  # the request ended: nothing to recompute
-    assert runtime.pending() == 0
+    assert not side._by_tid
 
 
 def test_decode_pull_refuses_a_kv_ready_of_another_layout_and_recomputes() -> None:
