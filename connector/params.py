@@ -44,11 +44,12 @@ class TransferParams(msgspec.Struct, frozen=True):
         """The ``kv_transfer_params`` dict to put on a request."""
         return {PARAMS_KEY: msgspec.to_builtins(self)}
 
-    def prefill_address_of(self, rank: int) -> str | None:
-        """The side channel of P's rank ``rank`` (the one that writes to our rank ``rank``)."""
-        if rank < len(self.prefill_addresses):
-            return self.prefill_addresses[rank]
-        return self.prefill_address if rank == 0 else None
+    def prefill_address_of(self, rank: int, tp: int) -> str | None:
+        """The side channel of the (first) P rank that writes to D's rank ``rank`` of ``tp``."""
+        if not self.prefill_addresses:
+            return self.prefill_address
+        ranks = len(self.prefill_addresses)
+        return self.prefill_addresses[min(ranks - 1, rank * ranks // tp)]
 
     def timeout_s(self, default_s: float) -> float:
         if not self.deadline_ms:

@@ -23,9 +23,10 @@ PROTOCOL_VERSION: Final = 1
 PROTOCOL_HISTORY: Final = {
     1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat;"
     " optional ``timing`` (Timing) on KvReady, KvPushed and the last TokenChunk;"
-    " optional ``rank`` (tensor-parallel rank; absent: 0) on BlocksAnnounced, KvReady,"
-    " KvPushed, KvFailed, AbortAck and Abort (absent on Abort: every rank), optional"
-    " ``side_channels`` (one per rank) on WorkerHeartbeat",
+    " optional ``rank`` and ``tp`` (the sender's tensor-parallel rank and size; absent: 0"
+    " and 1) on BlocksAnnounced, KvReady, KvPushed, KvFailed, AbortAck and Abort (rank"
+    " absent on Abort: every rank), optional ``side_channels`` (one per rank) on"
+    " WorkerHeartbeat",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -68,8 +69,14 @@ BlockRun = Annotated[
 BlockRuns = Annotated[list[BlockRun], Meta(max_length=MAX_BLOCK_RUNS)]
 TpRank = Annotated[
     int,
-    Meta(ge=0, lt=MAX_TP, description="tensor-parallel rank: rank r of P pairs with rank r of D"),
+    Meta(
+        ge=0,
+        lt=MAX_TP,
+        description="tensor-parallel rank of the sender; with ``tp`` it names the slice of KV"
+        " heads the sender holds (rank r of tp t: heads [r/t, (r+1)/t) of the model's)",
+    ),
 ]
+TpSize = Annotated[int, Meta(ge=1, le=MAX_TP, description="the sender's tensor-parallel size")]
 
 
 class TransferMode(str, enum.Enum):
@@ -163,6 +170,7 @@ class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
     compat_hash: CompatHash
     side_channel: Address
     rank: TpRank = 0  # D's rank that owns these blocks
+    tp: TpSize = 1
 
 
 class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -199,6 +207,7 @@ class KvReady(msgspec.Struct, **_tag("KvReady")):
     side_channel: Address
     timing: Timing | None = None  # P's prefill_received/start/end
     rank: TpRank = 0  # P's rank that computed these blocks
+    tp: TpSize = 1
 
 
 class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
@@ -222,6 +231,7 @@ class KvPushed(msgspec.Struct, **_tag("KvPushed")):
     layers: Annotated[list[LayerTiming], Meta(max_length=MAX_LAYERS)] = []
     timing: Timing | None = None  # P's prefill_received/start/end and kv_sent
     rank: TpRank = 0  # the rank pair this push was
+    tp: TpSize = 1
 
 
 class KvFailed(msgspec.Struct, **_tag("KvFailed")):
@@ -233,6 +243,7 @@ class KvFailed(msgspec.Struct, **_tag("KvFailed")):
     reason: FailReason
     detail: ShortText = ""
     rank: TpRank = 0
+    tp: TpSize = 1
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -261,6 +272,7 @@ class Abort(msgspec.Struct, **_tag("Abort")):
     sender: WorkerId
     reason: ShortText = ""
     rank: TpRank | None = None  # the rank pair it ends; None: every rank
+    tp: TpSize = 1
 
 
 class AbortAck(msgspec.Struct, **_tag("AbortAck")):
@@ -269,6 +281,7 @@ class AbortAck(msgspec.Struct, **_tag("AbortAck")):
     transfer_id: TransferId
     prefill_id: WorkerId
     rank: TpRank = 0
+    tp: TpSize = 1
 
 
 class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):

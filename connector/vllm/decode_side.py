@@ -38,7 +38,7 @@ from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
-from kvpush.connector.vllm.side import SideBase, check_transition
+from kvpush.connector.vllm.side import Rank, SideBase, check_transition
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -106,7 +106,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
-        rank: int,
+        rank: Rank,
         block_size: int,
     ) -> None:
         super().__init__(settings, transport, bus, runtime, rank)
@@ -158,10 +158,13 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         remote = runs_to_ids(ready.block_runs)[first:]
         if ready.compat_hash != self.transport.compat_hash:
             log.warning(
-                "transfer %s: prefill's compatibility hash %s is not ours (%s): computing locally",
+                "transfer %s: prefill's compatibility hash %s (TP %d) is not ours (%s, TP %d):"
+                " computing locally",
                 w.params.transfer_id,
                 ready.compat_hash,
+                ready.tp,
                 self.transport.compat_hash,
+                self.rank.size,
             )
             self._tell_prefill(w, "incompatible: decode computes this prompt locally")
             self._settle(inc, TransferState.FAILED)
@@ -211,7 +214,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
     def _receive(self, item: DecodeWork) -> None:
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
-        peer = item.params.prefill_address_of(self.rank)
+        peer = item.params.prefill_address_of(self.rank.index, self.rank.size)
         inc = Incoming(item, time.monotonic() + timeout, peer=peer)
         self._track(tid, inc)
         started_ns = now_ns()
@@ -229,7 +232,8 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                     num_tokens=item.num_tokens,
                     compat_hash=self.transport.compat_hash,
                     side_channel=self.transport.address,
-                    rank=self.rank,
+                    rank=self.rank.index,
+                    tp=self.rank.size,
                 ),
                 trace_parent(item.params.traceparent),
             )
@@ -251,7 +255,8 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 transfer_id=item.params.transfer_id,
                 sender=self.settings.worker_id,
                 reason=reason,
-                rank=self.rank,
+                rank=self.rank.index,
+                tp=self.rank.size,
             ),
             trace_parent(item.params.traceparent),
         )

@@ -31,7 +31,7 @@ from kvpush.connector.vllm.outgoing import (
     span_attrs,
 )
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
-from kvpush.connector.vllm.side import SideBase
+from kvpush.connector.vllm.side import Rank, SideBase
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -55,7 +55,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
-        rank: int,
+        rank: Rank,
         num_layers: int,
         block_size: int,
     ) -> None:
@@ -136,12 +136,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         if ann is None or not out.completing:
             return
         if ann.compat_hash != self.transport.compat_hash:  # refused before any WRITE
-            self._fail(
-                out,
-                FailReason.INCOMPATIBLE,
-                f"decode's compatibility hash {ann.compat_hash} is not ours "
-                f"({self.transport.compat_hash}): another model, dtype, block size or layout",
-            )
+            self._fail(out, FailReason.INCOMPATIBLE, self._incompatible(ann.compat_hash, ann.tp))
             return
         first = ann.first_token // self.block_size
         last = -(-out.num_tokens // self.block_size)
@@ -172,6 +167,17 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self.transport.push_layers(tid, sorted(out.computed))
         self._maybe_finish(out)
 
+    def _incompatible(self, theirs: str, their_tp: int) -> str:
+        if their_tp != self.rank.size:
+            return (
+                f"decode runs tensor parallel {their_tp}, prefill {self.rank.size}: a different"
+                " TP on the two sides is not supported yet; decode computes the prompt itself"
+            )
+        return (
+            f"decode's compatibility hash {theirs} is not ours ({self.transport.compat_hash}):"
+            " another model, dtype, block size or layout"
+        )
+
     def _maybe_finish(self, out: Outgoing) -> None:
         if not out.compute_end_ns and len(out.computed) == self.num_layers:
             out.compute_end_ns = now_ns()
@@ -199,7 +205,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 compat_hash=self.transport.compat_hash,
                 side_channel=self.transport.address,
                 timing=out.timing(),
-                rank=self.rank,
+                rank=self.rank.index,
+                tp=self.rank.size,
             ),
         )
         emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), span_attrs(out))
@@ -259,7 +266,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         push_ms=event.elapsed_ms,
                         layers=event.layers,
                         timing=out.timing(event.ended_ns),
-                        rank=self.rank,
+                        rank=self.rank.index,
+                        tp=self.rank.size,
                     ),
                 )
                 emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), span_attrs(out))
@@ -267,7 +275,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self._publish(
                 p,
                 subjects.abort(p.decode_id),
-                AbortAck(transfer_id=tid, prefill_id=me, rank=self.rank),
+                AbortAck(transfer_id=tid, prefill_id=me, rank=self.rank.index, tp=self.rank.size),
             )
         else:
             self._publish(
@@ -279,7 +287,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                     decode_id=p.decode_id,
                     reason=reason or FailReason.TRANSFER,
                     detail=detail[:1000],
-                    rank=self.rank,
+                    rank=self.rank.index,
+                    tp=self.rank.size,
                 ),
             )
         emit_settled_spans(out, state, event, detail)

@@ -1,7 +1,7 @@
 """What the prefill and the decode side of the worker half share: the transfers in flight by id,
-the bus messages that arrived before their transfer (bounded), this half's TP rank (a side
-takes only its rank pair's messages: ``mine``), and the checked state transition of their
-per-transfer objects.
+the bus messages that arrived before their transfer (bounded), this half's TP rank (``Rank``: a
+side takes only the messages of peer ranks whose KV heads overlap its own, ``mine``), and the
+checked state transition of their per-transfer objects.
 
 ``SideBase._deliver`` is the bus-thread entry: a message for a known transfer is applied, one for
 an unknown transfer is kept in ``_early`` (at most ``max_pending_announcements``, oldest dropped)
@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvpush.connector.bounded import BoundedDict
@@ -28,6 +29,23 @@ from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 Entry = TypeVar("Entry")
 Message = TypeVar("Message")
 State = TypeVar("State", bound=enum.Enum)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A worker half's place in its engine: TP rank ``index`` of ``size``. Rank r of size t
+    holds KV heads [r/t, (r+1)/t) of the model's (vLLM shards heads evenly, in rank order)."""
+
+    index: int = 0
+    size: int = 1
+
+    def overlaps(self, index: int, size: int) -> bool:
+        """Do rank ``index`` of ``size`` (a peer's) and this rank hold some of the same heads?
+        Same TP: only the same rank. P of 2 and D of 1: D's rank 0 and both of P's."""
+        return (
+            self.index * size < (index + 1) * self.size
+            and index * self.size < (self.index + 1) * size
+        )
 
 
 def check_transition(
@@ -45,7 +63,7 @@ class SideBase(Generic[Entry, Message]):
         transport: KvTransport,
         bus: BusThread,
         runtime: WorkerRuntime,
-        rank: int,
+        rank: Rank,
     ) -> None:
         self.settings = settings
         self.rank = rank
@@ -57,9 +75,9 @@ class SideBase(Generic[Entry, Message]):
         self._early: BoundedDict[str, Message] = BoundedDict(settings.max_pending_announcements)
 
     def mine(self, message: object) -> bool:
-        """Is ``message`` for this rank? (``rank`` None: an Abort for every rank.)"""
-        rank = getattr(message, "rank", 0)
-        return rank is None or rank == self.rank
+        """Is ``message`` (from a peer rank) for this rank? (``rank`` None: every rank.)"""
+        index = getattr(message, "rank", 0)
+        return index is None or self.rank.overlaps(index, getattr(message, "tp", 1))
 
     def _apply(self, entry: Entry, message: Message) -> None:
         raise NotImplementedError

@@ -34,6 +34,7 @@ from kvpush.connector.vllm.decode_side import DecodeSide
 from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import BusThread, ConnectorInfo, WorkerRuntime
+from kvpush.connector.vllm.side import Rank
 from kvpush.connector.vllm.wake import WakeSender
 from kvpush.schemas.messages import Timing, WorkerRole
 
@@ -96,12 +97,13 @@ class WorkerHalf:
         rt = self.runtime
         self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=rt.notify)
         self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
+        rank = Rank(self.rank, self.tp_size)
         if s.role is WorkerRole.PREFILL:
             self.prefill = PrefillSide(
-                s, self.transport, self.bus, rt, self.rank, len(names), self.block_size
+                s, self.transport, self.bus, rt, rank, len(names), self.block_size
             )
         else:
-            self.decode = DecodeSide(s, self.transport, self.bus, rt, self.rank, self.block_size)
+            self.decode = DecodeSide(s, self.transport, self.bus, rt, rank, self.block_size)
         rt.info = ConnectorInfo(
             s.worker_id,
             s.role.value,

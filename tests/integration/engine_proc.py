@@ -121,6 +121,7 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
             "total_blocks": host.total_blocks(),
             "start_s": time.monotonic() - started,
             "connector": msgspec.to_builtins(host.link.info) if host.link.info else {},
+            "ranks": [msgspec.to_builtins(info) for info in host.link.ranks],
         },
     )
     handles: dict[str, Any] = {}
@@ -257,7 +258,7 @@ class EngineProc:
             target=_child,
             args=(child_conn, self.config, self.log_path),
             name=f"engine-{self.name}",
-            daemon=True,
+            daemon=self.config.tp == 1,  # TP > 1: vLLM starts a process per rank from it
         )
         started = time.monotonic()
         self._proc.start()
@@ -273,6 +274,7 @@ class EngineProc:
             raise RuntimeError(f"engine {self.name} did not start: {exc}{self._tail()}") from exc
         self._total_blocks = ready["total_blocks"]
         self.connector_info: dict[str, str] = ready["connector"]  # side_channel, compat_hash...
+        self.ranks: list[dict[str, Any]] = ready["ranks"]  # every TP rank's connector info
         self.start_s = time.monotonic() - started
         self.progress(f"ready in {self.start_s:.1f} s ({ready['total_blocks']} blocks)")
         return self

@@ -24,6 +24,7 @@ from kvpush.connector.vllm.decode_side import DecodeSide, IncomingState
 from kvpush.connector.vllm.outgoing import OutgoingState
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import WorkerRuntime
+from kvpush.connector.vllm.side import Rank
 from kvpush.schemas.messages import (
     Abort,
     AbortAck,
@@ -81,17 +82,17 @@ def event(state: TransferState, role: Role = Role.PUSH) -> TransferEvent:
 def prefill_side(rec: Recorder, rank: int = 0) -> tuple[PrefillSide, WorkerRuntime]:
     runtime = WorkerRuntime()
     settings = ConnectorSettings(worker_id="p0", role=WorkerRole.PREFILL)
-    side = PrefillSide(settings, rec, rec, runtime, rank, LAYERS, BLOCK)  # type: ignore[arg-type]
+    side = PrefillSide(settings, rec, rec, runtime, Rank(rank, 2 if rank else 1), LAYERS, BLOCK)  # type: ignore[arg-type]
     return side, runtime
 
 
 def decode_side(rec: Recorder) -> tuple[DecodeSide, WorkerRuntime]:
     runtime = WorkerRuntime()
     settings = ConnectorSettings(worker_id="d0", role=WorkerRole.DECODE)
-    return DecodeSide(settings, rec, rec, runtime, 0, BLOCK), runtime  # type: ignore[arg-type]
+    return DecodeSide(settings, rec, rec, runtime, Rank(), BLOCK), runtime  # type: ignore[arg-type]
 
 
-def announcement(compat: str = OURS, rank: int = 0) -> BlocksAnnounced:
+def announcement(compat: str = OURS, rank: int = 0, tp: int = 1) -> BlocksAnnounced:
     return BlocksAnnounced(
         transfer_id=TID,
         decode_id="d0",
@@ -102,6 +103,7 @@ def announcement(compat: str = OURS, rank: int = 0) -> BlocksAnnounced:
         compat_hash=compat,
         side_channel="tcp://127.0.0.1:2",
         rank=rank,
+        tp=tp,
     )
 
 
@@ -131,9 +133,9 @@ def test_a_tp_rank_takes_only_its_rank_pairs_messages_and_aborts_for_every_rank(
     rec = Recorder()
     side, _ = prefill_side(rec, rank=1)
     side.on_work(work(completes=True))
-    side.on_bus("", announcement(rank=0))  # rank 0 of D pairs with rank 0 of P: not ours
+    side.on_bus("", announcement(rank=0, tp=2))  # rank 0 of D pairs with rank 0 of P: not ours
     assert side._by_tid[TID].state is OutgoingState.WAITING and rec.names() == []
-    side.on_bus("", announcement(rank=1))
+    side.on_bus("", announcement(rank=1, tp=2))
     assert side._by_tid[TID].state is OutgoingState.STREAMING and rec.names() == ["start_push"]
     side.on_bus("", Abort(transfer_id=TID, sender="gw", reason="client gone"))  # rank None
     assert rec.names()[-1] == "abort"
@@ -141,7 +143,27 @@ def test_a_tp_rank_takes_only_its_rank_pairs_messages_and_aborts_for_every_rank(
         side.on_layer_saved(layer)
     side.collect({"r0"}, [event(TransferState.ABORTED)])
     acks = rec.messages(AbortAck)
-    assert len(acks) == 1 and acks[0].rank == 1  # P's rank 1 answers D's rank 1
+    assert len(acks) == 1 and (acks[0].rank, acks[0].tp) == (1, 2)  # P's rank 1 answers
+
+
+@pytest.mark.parametrize(
+    ("mine", "peer", "related"),
+    [
+        ((0, 1), (0, 1), True),
+        ((1, 2), (1, 2), True),
+        ((1, 2), (0, 2), False),
+        ((0, 1), (1, 2), True),  # D of 1 takes from both ranks of a P of 2
+        ((1, 2), (0, 1), True),  # ... and P's rank 1 takes D's announcement
+        ((1, 4), (0, 2), True),
+        ((2, 4), (0, 2), False),
+        ((1, 3), (1, 2), True),  # heads [1/3, 2/3) and [1/2, 1) overlap
+        ((0, 3), (1, 2), False),
+    ],
+)
+def test_ranks_pair_by_overlapping_kv_heads(
+    mine: tuple[int, int], peer: tuple[int, int], related: bool
+) -> None:
+    assert Rank(*mine).overlaps(*peer) is related
 
 
 def test_an_announcement_of_another_layout_is_refused_before_any_write() -> None:

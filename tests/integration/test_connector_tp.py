@@ -1,0 +1,228 @@
+"""Tensor parallelism: P and D engines of TP 2 (vLLM's multiprocess executor, one worker process
+and one connector worker half per rank, each with its own NIXL agent and bus connection).
+
+Rank r of P moves its shard of the KV heads into rank r of D. Every answer must equal D
+computing the prompt alone, D must report the KV landed (a silent recompute fails), the bus must
+show one push (or KvReady) per rank, and the swap tests prove the moved KV was used. A P and a D
+of different TP are refused before any WRITE (both sides free their blocks at once and D
+computes the prompt). Every test ends with every engine's free blocks back where they started:
+vLLM frees a transfer's blocks only once *every* rank reported it, so a rank that leaked its
+side of a transfer would hold them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.connector.bus import Bus, BusConfig
+from kvpush.schemas import FailReason, KvFailed, KvPushed, KvReady, subjects
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config, wait_for
+from tests.integration.engine_proc import EngineProc, start_engine
+from tests.integration.test_connector_vllm import BLOCK, MAX_TOKENS, prompt, request
+
+pytestmark = pytest.mark.engine
+P_TP, D_TP = "p-tp2", "d-tp2"
+TP_CORES = [0, 1]  # each engine: rank 0 on core 0, rank 1 on core 1
+
+
+@pytest.fixture(scope="module")
+def tp_engines(
+    tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
+) -> Iterator[tuple[EngineProc, EngineProc]]:
+    url = nats_server.url
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(
+            start_engine,
+            "P-tp2",
+            tiny_model,
+            TP_CORES,
+            engine_logs,
+            tensor_parallel_size=2,
+            kv_transfer_config=connector_config("prefill", P_TP, url),
+        )
+        decode = pool.submit(
+            start_engine,
+            "D-tp2",
+            tiny_model,
+            TP_CORES,
+            engine_logs,
+            tensor_parallel_size=2,
+            kv_transfer_config=connector_config("decode", D_TP, url, transfer_timeout_s=20.0),
+        )
+        engines = (prefill.result(), decode.result())
+    yield engines
+    for engine in engines:
+        engine.stop()
+
+
+@pytest.fixture
+def engines(
+    tp_engines: tuple[EngineProc, EngineProc], pd_engines: tuple[EngineProc, EngineProc]
+) -> Iterator[dict[str, EngineProc]]:
+    """Every engine by worker id; each ends the test with the free blocks it started with."""
+    by_id = {P_TP: tp_engines[0], D_TP: tp_engines[1], PREFILL_ID: pd_engines[0]}
+    by_id[DECODE_ID] = pd_engines[1]
+    start = {wid: engine.free_blocks() for wid, engine in by_id.items()}
+    yield by_id
+    for wid, engine in by_id.items():
+        wait_for(
+            lambda e=engine, b=start[wid]: e.free_blocks() == b,
+            15.0,
+            f"engine {engine.name} back to {start[wid]} free blocks",
+        )
+
+
+class Observer:
+    """Collects every message on ``subject`` (a thread with its own bus connection)."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.messages: list[Any] = []
+        self._stop = threading.Event()
+        ready = threading.Event()
+
+        async def listen() -> None:
+            bus = await Bus.connect(BusConfig(url=url, name="tp-observer"))
+
+            async def on_message(_subject: str, message: Any) -> None:
+                self.messages.append(message)
+
+            await bus.subscribe(subject, on_message)
+            await bus.flush()
+            ready.set()
+            while not self._stop.is_set():
+                await asyncio.sleep(0.02)
+            await bus.close()
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(listen()), daemon=True)
+        self._thread.start()
+        assert ready.wait(10), "observer did not subscribe"
+
+    def of(self, kind: type, transfer_id: str) -> list[Any]:
+        return [m for m in self.messages if isinstance(m, kind) and m.transfer_id == transfer_id]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def kv(tid: str, prefill_id: str, decode_id: str, mode: str) -> dict[str, Any]:
+    return {
+        "kvpush": {
+            "transfer_id": tid,
+            "prefill_id": prefill_id,
+            "decode_id": decode_id,
+            "mode": mode,
+        }
+    }
+
+
+def reference(decode: EngineProc, ids: list[int]) -> list[int]:
+    rid = f"ref-{uuid.uuid4().hex[:12]}"
+    (out,) = decode.generate([request(rid, ids, salt=rid)])
+    assert out["error"] is None and len(out["token_ids"]) == MAX_TOKENS
+    return out["token_ids"]
+
+
+def run_pd(
+    prefill: EngineProc,
+    decode: EngineProc,
+    ids: tuple[list[int], list[int]],
+    tid: str,
+    params: dict[str, Any],
+) -> dict[str, Any]:
+    """P prefills ``ids[0]`` and D decodes ``ids[1]`` with one transfer; D's output."""
+    p_ids, d_ids = ids
+    prefill.submit([request(f"p-{tid}", p_ids, max_tokens=1, kv=params)])
+    decode.submit([request(f"d-{tid}", d_ids, kv=params, salt=f"s-{tid}")])
+    (d_out,) = decode.collect([f"d-{tid}"])
+    (p_out,) = prefill.collect([f"p-{tid}"])
+    assert p_out["error"] is None, p_out
+    assert d_out["error"] is None, d_out
+    return d_out
+
+
+def test_every_rank_registers_its_own_side_channel(
+    tp_engines: tuple[EngineProc, EngineProc],
+) -> None:
+    for engine in tp_engines:
+        ranks = engine.ranks
+        assert [r["rank"] for r in ranks] == [0, 1] and {r["tp_size"] for r in ranks} == {2}
+        assert len({r["side_channel"] for r in ranks}) == 2
+        assert engine.connector_info["side_channel"] == ranks[0]["side_channel"]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_tp2_to_tp2_swap_decode_answers_from_both_ranks_moved_kv(
+    engines: dict[str, EngineProc], nats_server: EmbeddedNats, rng: random.Random, mode: str
+) -> None:
+    """P prefills A; D is told B (same length and last token) with A's transfer: D answers as
+    if it had seen A only if both ranks' shards arrived and were used."""
+    prefill, decode = engines[P_TP], engines[D_TP]
+    a = prompt(rng, 2 * BLOCK + 40)
+    b = [*prompt(rng, len(a) - 1), a[-1]]
+    expected_a, expected_b = reference(decode, a), reference(decode, b)
+    assert expected_a != expected_b
+    subject = subjects.kv_done(D_TP) if mode == "push" else subjects.kv_ready(D_TP)
+    observer = Observer(nats_server.url, subject)
+    tid = f"tx-tp-{uuid.uuid4().hex[:12]}"
+    try:
+        d_out = run_pd(prefill, decode, (a, b), tid, kv(tid, P_TP, D_TP, mode))
+        kind = KvPushed if mode == "push" else KvReady
+        wait_for(lambda: len(observer.of(kind, tid)) == 2, 10.0, f"a {kind.__name__} per rank")
+    finally:
+        observer.close()
+    assert d_out["token_ids"] == expected_a
+    assert d_out["kv_landed_ns"] > 0, d_out
+    assert sorted((m.rank, m.tp) for m in observer.of(kind, tid)) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("length", [BLOCK + 5, 3 * BLOCK])
+def test_tp2_to_tp2_output_equals_one_engine(
+    engines: dict[str, EngineProc], rng: random.Random, mode: str, length: int
+) -> None:
+    prefill, decode = engines[P_TP], engines[D_TP]
+    ids = prompt(rng, length)
+    expected = reference(decode, ids)
+    tid = f"tx-tpid-{uuid.uuid4().hex[:10]}"
+    d_out = run_pd(prefill, decode, (ids, ids), tid, kv(tid, P_TP, D_TP, mode))
+    assert d_out["token_ids"] == expected
+    assert d_out["kv_landed_ns"] > 0, d_out
+
+
+@pytest.mark.parametrize(
+    ("prefill_id", "decode_id"), [(P_TP, DECODE_ID), (PREFILL_ID, D_TP)], ids=["2-to-1", "1-to-2"]
+)
+def test_different_tp_is_refused_before_any_write_and_decode_computes(
+    engines: dict[str, EngineProc],
+    nats_server: EmbeddedNats,
+    rng: random.Random,
+    prefill_id: str,
+    decode_id: str,
+) -> None:
+    prefill, decode = engines[prefill_id], engines[decode_id]
+    ids = prompt(rng, 2 * BLOCK + 9)
+    expected = reference(decode, ids)
+    observer = Observer(nats_server.url, subjects.kv_failed(decode_id))
+    tid = f"tx-tpx-{uuid.uuid4().hex[:10]}"
+    try:
+        d_out = run_pd(prefill, decode, (ids, ids), tid, kv(tid, prefill_id, decode_id, "push"))
+        p_ranks = len(prefill.ranks)
+        wait_for(lambda: len(observer.of(KvFailed, tid)) == p_ranks, 10.0, "KvFailed per P rank")
+    finally:
+        observer.close()
+    assert d_out["token_ids"] == expected
+    assert d_out["kv_landed_ns"] == 0, d_out  # nothing landed: D computed the prompt
+    for failed in observer.of(KvFailed, tid):
+        assert failed.reason is FailReason.INCOMPATIBLE
+        assert "tensor parallel" in failed.detail, failed.detail
