@@ -19,10 +19,12 @@ assignment ``P_CORES``/``D_CORES`` (P and D never share a core).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -372,12 +374,27 @@ class EngineProc:
         self.kill()
 
     def kill(self) -> None:
+        """SIGKILL the engine process and every process it started (vLLM's per-rank workers
+        outlive their parent for a while otherwise, and would finish what they were doing)."""
         if self._proc is not None and self._proc.is_alive():
+            for pid in _descendants(self._proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self._proc.kill()
             self._proc.join(10)
         if self._conn is not None:
             self._conn.close()
         _LIVE.discard(self)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children before their parents' siblings."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
 
 
 @atexit.register

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvpush.connector.bus import Bus, BusConfig
-from kvpush.schemas import FailReason, KvFailed, KvPushed, KvReady, subjects
+from kvpush.schemas import Abort, AbortAck, FailReason, KvFailed, KvPushed, KvReady, subjects
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config, wait_for
 from tests.integration.engine_proc import EngineProc, start_engine
@@ -91,7 +92,7 @@ class Observer:
         ready = threading.Event()
 
         async def listen() -> None:
-            bus = await Bus.connect(BusConfig(url=url, name="tp-observer"))
+            self.bus = bus = await Bus.connect(BusConfig(url=url, name="tp-observer"))
 
             async def on_message(_subject: str, message: Any) -> None:
                 self.messages.append(message)
@@ -103,9 +104,21 @@ class Observer:
                 await asyncio.sleep(0.02)
             await bus.close()
 
-        self._thread = threading.Thread(target=lambda: asyncio.run(listen()), daemon=True)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=lambda: self._loop.run_until_complete(listen()), daemon=True
+        )
         self._thread.start()
         assert ready.wait(10), "observer did not subscribe"
+
+    def publish(self, subject: str, message: Any) -> None:
+        """Publish ``message`` from the observer's connection (as a gateway would)."""
+
+        async def send() -> None:
+            await self.bus.publish(subject, message)
+            await self.bus.flush()
+
+        asyncio.run_coroutine_threadsafe(send(), self._loop).result(10)
 
     def of(self, kind: type, transfer_id: str) -> list[Any]:
         return [m for m in self.messages if isinstance(m, kind) and m.transfer_id == transfer_id]
@@ -226,3 +239,85 @@ def test_different_tp_is_refused_before_any_write_and_decode_computes(
     for failed in observer.of(KvFailed, tid):
         assert failed.reason is FailReason.INCOMPATIBLE
         assert "tensor parallel" in failed.detail, failed.detail
+
+
+# ---- faults at TP 2: a slow prefill engine (the connector sleeps per layer), killed at the end
+SLOW_TP = "p-tp2-slow"
+LAYER_DELAY_S = 0.4
+
+
+@pytest.fixture(scope="module")
+def slow_tp_prefill(
+    tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
+) -> Iterator[EngineProc]:
+    config = connector_config(
+        "prefill",
+        SLOW_TP,
+        nats_server.url,
+        fault_layer_delay_ms=LAYER_DELAY_S * 1000,
+        transfer_timeout_s=600.0,  # only an abort (or P's death) can end its transfers in time
+    )
+    engine = start_engine(
+        "P-tp2-slow",
+        tiny_model,
+        TP_CORES,
+        engine_logs,
+        tensor_parallel_size=2,
+        kv_transfer_config=config,
+    )
+    yield engine
+    engine.stop()
+
+
+def test_tp2_abort_mid_transfer_is_acknowledged_by_every_rank_and_frees_every_block(
+    engines: dict[str, EngineProc],
+    slow_tp_prefill: EngineProc,
+    nats_server: EmbeddedNats,
+    rng: random.Random,
+) -> None:
+    decode = engines[D_TP]
+    before = slow_tp_prefill.free_blocks()
+    tid = f"tx-tpab-{uuid.uuid4().hex[:10]}"
+    ids = prompt(rng, 3 * BLOCK + 10)
+    params = kv(tid, SLOW_TP, D_TP, "push")
+    acks = Observer(nats_server.url, subjects.abort(D_TP))
+    gateway = Observer(nats_server.url, subjects.abort(SLOW_TP))  # only to publish from
+    try:
+        decode.submit([request(f"d-{tid}", ids, kv=params, salt=tid)])
+        time.sleep(0.1)  # D has announced
+        slow_tp_prefill.submit([request(f"p-{tid}", ids, max_tokens=1, kv=params)])
+        time.sleep(LAYER_DELAY_S * 0.75)  # P is inside its first layer's delay
+        decode.abort(f"d-{tid}")
+        gateway.publish(subjects.abort(SLOW_TP), Abort(transfer_id=tid, sender="gw-test"))
+        (d_out,) = decode.collect([f"d-{tid}"])
+        assert d_out["finish_reason"] == "abort", d_out
+        wait_for(lambda: len(acks.of(AbortAck, tid)) == 2, 15.0, "an AbortAck per P rank")
+        slow_tp_prefill.collect([f"p-{tid}"])
+    finally:
+        acks.close()
+        gateway.close()
+    assert sorted(a.rank for a in acks.of(AbortAck, tid)) == [0, 1]
+    wait_for(lambda: slow_tp_prefill.free_blocks() == before, 15.0, "slow P's blocks back")
+
+
+def test_tp2_decode_falls_back_when_prefill_dies_mid_way(
+    engines: dict[str, EngineProc], slow_tp_prefill: EngineProc, rng: random.Random
+) -> None:
+    """P (both ranks) is killed while computing; D's ranks probe P's ranks, find them gone,
+    and D computes the prompt itself, token-exact. Must run last: it kills P-tp2-slow."""
+    decode = engines[D_TP]
+    tid = f"tx-tpkill-{uuid.uuid4().hex[:10]}"
+    ids = prompt(rng, 2 * BLOCK + 50)
+    expected = reference(decode, ids)
+    params = kv(tid, SLOW_TP, D_TP, "push")
+    params["kvpush"]["deadline_ms"] = int((time.time() + 2.5) * 1000)
+    params["kvpush"]["prefill_addresses"] = [r["side_channel"] for r in slow_tp_prefill.ranks]
+    decode.submit([request(f"d-{tid}", ids, kv=params, salt=tid)])
+    time.sleep(0.1)
+    slow_tp_prefill.submit([request(f"p-{tid}", ids, max_tokens=1, kv=params)])
+    time.sleep(0.2)
+    slow_tp_prefill.kill()
+    (d_out,) = decode.collect([f"d-{tid}"], timeout=60)
+    assert d_out["error"] is None, d_out
+    assert d_out["kv_landed_ns"] == 0, d_out  # no KV landed: D computed the prompt itself
+    assert d_out["token_ids"] == expected
