@@ -3,7 +3,8 @@
 Starts, in order: nats-server (embedded, or --nats-url URL for an external one), the model (the tiny
 random-weight model, built once into the kvpush cache, or --model DIR), --prefill N prefill and
 --decode N decode workers as child processes, pinned to the cores in turn (P then D: with one
-of each on two cores, P on core 0 and D on core 1), and the OpenAI-compatible gateway on
+of each on two cores, P on core 0 and D on core 1; with --tp N a worker has N ranks, a process
+each, and N cores), and the OpenAI-compatible gateway on
 127.0.0.1:8000. A line is printed for each worker once it is ready (its first heartbeat), then
 the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops everything: the gateway first,
 then the workers (each drains: requests in flight finish), then nats-server. A second Ctrl-C
@@ -136,11 +137,15 @@ class Stack:
         roles = [("prefill", i) for i in range(cfg.prefill)]
         roles += [("decode", i) for i in range(cfg.decode)]
         for n, (role, i) in enumerate(roles):
-            name, core = f"{role}-{i}{suffix}", cores[n % len(cores)]
-            argv = [*cli, role, *common, "--id", name, "--cpus", str(core)]
+            # a worker gets cfg.tp cores (one per rank), in turn, wrapping around
+            mine = sorted({cores[(n * cfg.tp + k) % len(cores)] for k in range(cfg.tp)})
+            name, cpus = f"{role}-{i}{suffix}", ",".join(map(str, mine))
+            argv = [*cli, role, *common, "--id", name, "--cpus", cpus]
+            if cfg.tp > 1:
+                argv += ["--tp", str(cfg.tp)]
             if cfg.max_inflight:
                 argv += ["--max-inflight", str(cfg.max_inflight)]
-            self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", [core]))
+            self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", mine))
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
@@ -159,7 +164,7 @@ class Stack:
                 child = waiting.pop(message.worker_id)
                 child.ready_s = time.monotonic() - child.started_at
                 say(
-                    f"  {child.name} ready (core {child.cores[0] if child.cores else '-'}, "
+                    f"  {child.name} ready (cores {_cores(child.cores)}, "
                     f"{child.ready_s:.1f} s, {message.total_blocks} KV blocks)"
                 )
                 if not waiting:
@@ -323,3 +328,7 @@ def main(args: argparse.Namespace) -> int:
         say(f"configuration: {exc}")
         return 2
     return asyncio.run(run(config))
+
+
+def _cores(cores: list[int] | None) -> str:
+    return ",".join(map(str, cores)) if cores else "-"

@@ -26,6 +26,7 @@ class UpConfig:
     model_dir: str | None = None  # None: the cached tiny model
     prefill: int = 1
     decode: int = 1
+    tp: int = 1  # tensor-parallel ranks of every worker
     host: str = "127.0.0.1"
     port: int = 8000
     mode: TransferMode = TransferMode.PUSH
@@ -39,6 +40,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ConfigError("--prefill must be >= 0 and --decode >= 1")
+        if self.tp < 1:
+            raise ConfigError("--tp must be >= 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
@@ -59,6 +62,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("prefill", ("--prefill",), int, "prefill workers (default 1)", "KVPUSH_UP_PREFILL"),
     Setting("decode", ("--decode",), int, "decode workers (default 1)", "KVPUSH_UP_DECODE"),
+    Setting(
+        "tp",
+        ("--tp", "--tensor-parallel-size"),
+        int,
+        "tensor-parallel ranks of every worker, P and D alike (default 1); each rank runs in a"
+        " process of its own on one of the worker's cores",
+        "KVPUSH_UP_TP",
+    ),
     *(GATEWAY[name] for name in ("host", "port", "mode")),  # passed on to the gateway
     Setting(
         "max_inflight",

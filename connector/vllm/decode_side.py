@@ -265,6 +265,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         if inc.state in (IncomingState.ABORTING, IncomingState.SETTLED):
             return
         inc.abort_sent_at = time.monotonic()
+        self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
         if inc.state is IncomingState.RECEIVING:
             inc.advance(IncomingState.ABORTING)
             self.transport.abort(inc.work.params.transfer_id, reason)
@@ -330,6 +331,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 self.transport.peer_lost(address)
             else:
                 inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
+                self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
         self.runtime.notify()
 
     def _probe_suspects(self) -> None:

@@ -13,6 +13,8 @@ state by chance. What the engine's driver must learn travels through vLLM's own 
 - ``notify()``: something happened that only an engine step can act on (a transfer finished or
   failed, an announcement or a KvReady arrived, an abort); it wakes the scheduler half's
   listener (``wake.py``), whatever process that is in.
+- ``wake_at(t)``: ask for that ``notify`` at monotonic time ``t`` (a transfer's deadline, an
+  abort's acknowledgement timeout), so a driver never has to step on a timer to notice one.
 - ``suspect_peer`` / ``take_suspects``: side-channel addresses the worker service believes dead
   (a prefill worker's heartbeat lease ran out; they come down in the step metadata); the decode
   side probes them.
@@ -21,7 +23,8 @@ state by chance. What the engine's driver must learn travels through vLLM's own 
 - ``marks``: the critical-path instants learned per transfer (``TimingMarks``), sent to the
   scheduler half with each step's output and put on the request's final output there.
 
-Threading model: ``WorkerRuntime`` and ``TimingMarks`` are safe from any thread (one lock each).
+Threading model: ``WorkerRuntime`` and ``TimingMarks`` are safe from any thread (one lock each);
+``WakeTimer`` owns one daemon thread (started at its first deadline) that only calls ``notify``.
 ``BusThread`` owns one asyncio loop on a daemon thread named ``kvpush-bus``; callers on other
 threads use ``publish`` (fire and forget, bounded by the loop's queue) and ``subscribe``
 (handlers run on the bus thread and must be quick and thread-safe). ``close`` drains and stops
@@ -31,8 +34,10 @@ it.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -48,6 +53,7 @@ from kvpush.schemas.messages import Timing
 
 log = logging.getLogger(__name__)
 MAX_MARKS = 8192
+MAX_DEADLINES = 65536  # beyond: not timed (the driver's own longest sleep still bounds it)
 
 
 class ConnectorInfo(msgspec.Struct, frozen=True):
@@ -97,11 +103,51 @@ class TimingMarks:
         return Timing(**entry) if entry else None
 
 
+class WakeTimer:
+    """Calls ``wake`` at every time given to ``at`` (the earliest first; one thread)."""
+
+    def __init__(self, wake: Callable[[], None], limit: int = MAX_DEADLINES) -> None:
+        self._wake = wake
+        self.limit = limit
+        self._cond = threading.Condition()
+        self._times: list[float] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def at(self, when: float) -> None:
+        with self._cond:
+            if self._closed or len(self._times) >= self.limit:
+                return
+            heapq.heappush(self._times, when)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvpush-timer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._times or self._times[0] > time.monotonic()):
+                    delay = self._times[0] - time.monotonic() if self._times else None
+                    self._cond.wait(delay)
+                if self._closed:
+                    return
+                while self._times and self._times[0] <= time.monotonic():
+                    heapq.heappop(self._times)
+            self._wake()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
 class WorkerRuntime:
     """The worker half's shared state; see the module docstring."""
 
     def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
         self._wake = wake
+        self.timer = WakeTimer(wake)
         self.marks = TimingMarks()
         self.info: ConnectorInfo | None = None
         self._lock = threading.Lock()
@@ -110,6 +156,10 @@ class WorkerRuntime:
     def notify(self) -> None:
         """Ask for an engine step soon (the scheduler half's listener wakes the driver)."""
         self._wake()
+
+    def wake_at(self, when: float) -> None:
+        """Ask for ``notify`` at monotonic time ``when`` (a little after a deadline)."""
+        self.timer.at(when + 0.01)
 
     def suspect_peer(self, address: str) -> None:
         """A peer's side channel that may be dead (its heartbeat lease ran out, or it came back

@@ -93,6 +93,9 @@ class SideBase(Generic[Entry, Message]):
 
     def _track(self, transfer_id: str, entry: Entry) -> None:
         self._by_tid[transfer_id] = entry
+        deadline = getattr(entry, "deadline", None)
+        if deadline is not None:  # a step must come then to give up on it
+            self.runtime.wake_at(deadline)
 
     def _apply_early(self, transfer_id: str, entry: Entry) -> None:
         """Hand ``entry`` the message that came before it, if one did."""

@@ -169,6 +169,7 @@ class WorkerHalf:
         return self.runtime.marks.take_all()
 
     def shutdown(self) -> None:
+        self.runtime.timer.close()
         self._waker.close()
         if self.poller is not None:
             self.poller.stop()

@@ -13,10 +13,11 @@ and set the wake event. The engine thread loops: clear the wake event; run queue
 there is work (requests unfinished, finished but unreported, or held for a delayed free; or
 ``link.pending() > 0``) run one ``engine.step()`` and route outputs to handles. With no work
 it blocks on the wake event; after an idle step (no tokens scheduled: e.g. every request waits
-for remote KV) it waits on it for at most ``idle_wait_s``. With a connector the wake event *is*
-the connector's ``link.activity`` (``kvpush.connector.EngineLink``, reached through the engine),
-so commands and connector events end the same wait, and as it is cleared before the step no
-wake-up is lost: a decode engine waiting for pushed KV sleeps, not spins.
+for remote KV) it waits on it for at most ``idle_wait_s`` (``connector_idle_wait_s`` with a
+kvpush connector, which also wakes it at every transfer deadline). With a connector the wake
+event *is* the connector's ``link.activity`` (``kvpush.connector.EngineLink``, reached through
+the engine), so commands and connector events end the same wait, and as it is cleared before
+the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not spins.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class EngineConfig:
     cpu_cores: list[int] | None = None
     tensor_parallel_size: int = 1
     executor: str = ""  # "uni" (model in this process) or "mp" (a process per rank); "": auto
-    idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us
+    idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us ...
+    connector_idle_wait_s: float = 30.0  # ... with a kvpush connector, which wakes us itself
     max_queued_commands: int = 4096
 
     @property
@@ -192,6 +194,7 @@ class EngineHost:
         self._step_failures = 0
         self.steps = 0  # engine steps run, and how many of them were idle
         self.idle_steps = 0
+        self.last_free_blocks = 0  # the pool's free blocks after the last step or command
 
     def start(self, progress: Callable[[str], None] | None = None, timeout: float = 600.0) -> None:
         """Build the engine on the engine thread; return when ready, or raise its error."""
@@ -248,8 +251,24 @@ class EngineHost:
         self._engine = engine
         self._scheduler = core.scheduler
         self._pool = core.scheduler.kv_cache_manager.block_pool
+        if cfg.tp > 1:
+            # vLLM's TP embedding masks its input with a torch.compile'd helper: the first step
+            # compiles it (a minute on a busy 2-core box). Do that now, not on a user's request.
+            report("warming up: the first tensor-parallel step compiles vLLM's embedding helper")
+            self._warm_up()
         blocks = self.total_blocks()
+        self.last_free_blocks = self._pool.get_num_free_blocks()
         report(f"engine ready ({time.monotonic() - started:.1f} s, {blocks} blocks)")
+
+    def _warm_up(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        self._engine.add_request(
+            "kvpush-warmup", tokens_input([1, 2, 3]), SamplingParams(max_tokens=1)
+        )
+        while self._engine.has_unfinished_requests():
+            self._engine.step()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort every request, shut the engine down, join the thread. Idempotent."""
@@ -280,7 +299,8 @@ class EngineHost:
         self._send(lambda: self._abort(request_id, "abort", None))
 
     def free_blocks(self, timeout: float = 30.0) -> int:
-        """Blocks a new request can get now: free ones plus cached ones nobody references."""
+        """Blocks a new request can get now: free ones plus cached ones nobody references
+        (asks the engine thread; ``last_free_blocks`` is the count without waiting for it)."""
         return int(self.call(lambda _engine: self._pool.get_num_free_blocks(), timeout))
 
     def total_blocks(self) -> int:
@@ -320,18 +340,24 @@ class EngineHost:
         finally:
             self._ready.set()
         wake = self.link.activity
+        # A kvpush connector wakes us for everything a step must act on (a transfer's end, its
+        # deadline, a message, an abort's timeout): idle steps would only cost CPU (and keep
+        # vLLM's multiprocess workers spinning: their queue busy-waits 1 s after each step).
+        cfg = self.config
+        idle_wait_s = cfg.connector_idle_wait_s if self.link.connected else cfg.idle_wait_s
         try:
             while True:
                 wake.clear()  # anything set from here on ends the waits below at once
                 if self._run_commands():
                     return
+                self.last_free_blocks = self._pool.get_num_free_blocks()
                 # has_requests(): also finished-but-unreported and delayed-free requests
                 busy = self._engine.has_unfinished_requests() or self._scheduler.has_requests()
                 if not (busy or self.link.pending() > 0):
                     wake.wait(1.0)
                 elif self._step():
                     self.idle_steps += 1
-                    wake.wait(self.config.idle_wait_s)
+                    wake.wait(idle_wait_s)
         except BaseException:
             log.exception("engine loop crashed")
         finally:
@@ -398,6 +424,7 @@ class EngineHost:
             return True
         self._step_failures = 0
         self.steps += 1
+        self.last_free_blocks = self._pool.get_num_free_blocks()
         for out in outputs:
             if handle := self._handles.get(out.request_id):  # None: aborted meanwhile
                 handle._push(_delta(out))

@@ -361,10 +361,9 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _beat(self) -> None:
-        try:
-            self._free_blocks = await asyncio.to_thread(self.host.free_blocks, 5.0)
-        except Exception as exc:  # a long engine step: send the last count
-            log.warning("free block count unavailable: %r", exc)
+        # The count the engine thread left after its last step: a long step (the first ones of
+        # a TP engine take seconds on a busy CPU) must not hold the beat past the lease.
+        self._free_blocks = self.host.last_free_blocks
         beat = self.heartbeat()
         try:
             await self.bus.publish(subjects.heartbeat(self.role, self.worker_id), beat, span=False)

@@ -114,11 +114,11 @@ class UpStack:
                 await asyncio.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
-    log_dir = tmp_path_factory.mktemp("kvpush-up")
+@contextlib.contextmanager
+def run_up(log_dir: Path, *extra: str) -> Iterator[UpStack]:
+    """``kvpush up`` with ``extra`` flags on a free port; ready when yielded, stopped after."""
     port = free_port()
-    argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
+    argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port), *extra]
     with open(log_dir / "up.out", "wb") as out, open(log_dir / "up.err", "wb") as err:
         proc = subprocess.Popen(
             [*argv, "--log-dir", str(log_dir), "--trace-file", str(log_dir / "trace.jsonl")],
@@ -147,6 +147,12 @@ def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+    with run_up(tmp_path_factory.mktemp("kvpush-up")) as stack:
+        yield stack
 
 
 @pytest.fixture
