@@ -148,6 +148,7 @@ class Transfer:
     pending: list[tuple[int, ...]] = field(default_factory=list)
     layers_asked: set[int] = field(default_factory=set)
     finish_requested: bool = False
+    imminent: bool = False  # target: the initiator said its WRITEs started
     end_notice_sent: bool = False
     nbytes: int = 0
     descriptors: int = 0

@@ -350,7 +350,8 @@ class KvTransport:
         pending; ``target_s`` while only WRITEs of a prefill still computing are live (nobody
         waits for them yet; polling them at ``busy_s`` took P's core from its forward: P's
         prefill ran up to 2.5x slower under load, docs/benchmarks/serve.md) or a notice is
-        expected; ``idle_s`` otherwise."""
+        imminent (``hurry``: the initiator's WRITEs started; a target that only waits for a
+        prefill to begin costs ``idle_s`` polls, not 1 kHz); ``idle_s`` otherwise."""
         with self._lock:
             live = self._agent.live_handles > 0
             wait = target_s if live else idle_s
@@ -359,9 +360,18 @@ class KvTransport:
                     return busy_s
                 if t.initiator and live and t.finish_requested and not t.state.terminal:
                     return busy_s
-                if not t.initiator and not t.state.terminal:
+                if not t.initiator and not t.state.terminal and t.imminent:
                     wait = target_s
             return wait
+
+    def hurry(self, transfer_id: str) -> None:
+        """The peer started writing into this target transfer: poll for its notice at full
+        rate from now on (an unknown or finished id is ignored)."""
+        with self._lock:
+            t = self._engine.transfers.get(transfer_id)
+            if t is not None and not t.initiator:
+                t.imminent = True
+        self._changed()
 
     @property
     def live_handles(self) -> int:

@@ -24,6 +24,7 @@ from kvpush.schemas.messages import (
     BlocksAnnounced,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
     RequestEvent,
     TokenChunk,
@@ -38,6 +39,7 @@ BusMessage = Union[  # noqa: UP007  (a runtime union object for msgspec)
     BlocksAnnounced,
     KvReady,
     KvPushed,
+    KvPushing,
     KvFailed,
     TokenChunk,
     Abort,
@@ -68,7 +70,7 @@ _CARRIES: Final[dict[SubjectKind, object]] = {
     SubjectKind.REQUEST: RequestEvent,
     SubjectKind.BLOCKS: BlocksAnnounced,
     SubjectKind.KV_READY: KvReady,
-    SubjectKind.KV_DONE: KvPushed,
+    SubjectKind.KV_DONE: Union[KvPushed, KvPushing],  # noqa: UP007
     SubjectKind.KV_FAILED: KvFailed,
     SubjectKind.TOKENS: TokenChunk,
     SubjectKind.ABORT: Union[Abort, AbortAck],  # noqa: UP007
@@ -128,7 +130,7 @@ def _check_ids(parsed: subjects.ParsedSubject, message: BusMessage) -> None:
     expected: dict[str, str] = {}
     if isinstance(message, RequestEvent):
         expected = {"prefill_id": ids[0], "decode_id": ids[1]}
-    elif isinstance(message, (KvPushed, KvFailed)):
+    elif isinstance(message, (KvPushed, KvPushing, KvFailed)):
         expected = {"decode_id": ids[0]}
     elif isinstance(message, WorkerHeartbeat):
         expected = {"worker_id": ids[1]}

@@ -24,6 +24,7 @@ from kvpush.schemas.messages import (
     BlocksAnnounced,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
     RequestEvent,
     TokenChunk,
@@ -55,8 +56,9 @@ _CHANNELS: Final[dict[str, tuple[str, dict[str, str], tuple[type, ...], str]]] =
     "kvDone": (
         f"{subjects.ROOT}.kv.done.{{decode}}",
         {"decode": "decode worker id"},
-        (KvPushed,),
-        "Prefill finished pushing a transfer (observers, bookkeeping).",
+        (KvPushed, KvPushing),
+        "Prefill started (KvPushing: decode polls for the end at full rate) and finished"
+        " (KvPushed: observers, bookkeeping) pushing a transfer.",
     ),
     "kvFailed": (
         f"{subjects.ROOT}.kv.failed.{{decode}}",

@@ -26,7 +26,7 @@ PROTOCOL_HISTORY: Final = {
     " optional ``rank`` and ``tp`` (the sender's tensor-parallel rank and size; absent: 0"
     " and 1) on BlocksAnnounced, KvReady, KvPushed, KvFailed, AbortAck and Abort (rank"
     " absent on Abort: every rank), optional ``side_channels`` (one per rank) on"
-    " WorkerHeartbeat",
+    " WorkerHeartbeat; KvPushing (P -> D: a push started) on the kv.done subject",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -231,6 +231,18 @@ class KvPushed(msgspec.Struct, **_tag("KvPushed")):
     layers: Annotated[list[LayerTiming], Meta(max_length=MAX_LAYERS)] = []
     timing: Timing | None = None  # P's prefill_received/start/end and kv_sent
     rank: TpRank = 0  # the rank pair this push was
+    tp: TpSize = 1
+
+
+class KvPushing(msgspec.Struct, **_tag("KvPushing")):
+    """P -> D on ``kvpush.v1.kv.done.<decode>``: P's WRITEs of a transfer started, so its end
+    is near. D then polls for the completion notice at full rate (before: slowly, so a decode
+    engine waiting for a long prefill costs almost no CPU); a lost hint costs latency only."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+    decode_id: WorkerId
+    rank: TpRank = 0
     tp: TpSize = 1
 
 

@@ -142,6 +142,12 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     return report.main(args)
 
 
+def _cmd_bench_idle(args: argparse.Namespace) -> int:
+    from kvpush.services.bench import idle
+
+    return idle.main(args)
+
+
 def _cmd_bench_transport(args: argparse.Namespace) -> int:
     from kvpush.services.bench import transport
 
@@ -255,6 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     bench_sub.choices["transport"].set_defaults(func=_cmd_bench_transport)
+    from kvpush.services.bench import idle as bench_idle
+
+    bench_idle.add_arguments(
+        bench_sub.add_parser(
+            "idle",
+            help="CPU a decode engine burns while it waits for KV, per executor mode",
+            description=bench_idle.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    bench_sub.choices["idle"].set_defaults(func=_cmd_bench_idle)
     from kvpush.services.bench import serve as bench_serve
 
     bench_serve.add_arguments(

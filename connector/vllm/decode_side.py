@@ -46,6 +46,7 @@ from kvpush.schemas.messages import (
     BlocksAnnounced,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
 )
 
@@ -128,9 +129,12 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         self.runtime.notify()
 
     def on_pushed(self, subject: str, message: object) -> None:
-        """KvPushed is P's report (the NIXL notice already completed the receive): its
-        instants go to the marks table for the request's TokenChunk."""
-        if isinstance(message, KvPushed) and self.mine(message):
+        """KvPushing: P's WRITEs started, poll for the notice at full rate now. KvPushed is
+        P's report (the NIXL notice already completed the receive): its instants go to the
+        marks table for the request's TokenChunk."""
+        if isinstance(message, KvPushing) and self.mine(message):
+            self.transport.hurry(message.transfer_id)
+        elif isinstance(message, KvPushed) and self.mine(message):
             self.runtime.marks.record_timing(message.transfer_id, message.timing)
 
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:

@@ -41,6 +41,7 @@ from kvpush.schemas.messages import (
     FailReason,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
     TransferMode,
 )
@@ -163,6 +164,14 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self._fail(out, FailReason.HANDSHAKE, str(exc)[:300])
             return
         out.advance(OutgoingState.STREAMING)
+        hint = KvPushing(
+            transfer_id=tid,
+            prefill_id=self.settings.worker_id,
+            decode_id=out.params.decode_id,
+            rank=self.rank.index,
+            tp=self.rank.size,
+        )
+        self.bus.publish(subjects.kv_done(out.params.decode_id), hint, span=False)  # no trace
         if out.computed:
             self.transport.push_layers(tid, sorted(out.computed))
         self._maybe_finish(out)

@@ -217,15 +217,20 @@ class BusThread:
         self._loop.close()
 
     def publish(
-        self, subject: str, message: BusMessage, context: Context | None = None
+        self,
+        subject: str,
+        message: BusMessage,
+        context: Context | None = None,
+        span: bool = True,
     ) -> Future[None]:
         """Publish from any thread; returns a future (errors are logged, never raised here).
 
         ``context``: the request's trace context, so the ``bus.publish`` span and the message's
-        traceparent join the request's trace instead of starting one of their own."""
+        traceparent join the request's trace instead of starting one of their own; ``span=False``
+        (hints) sends it outside any trace."""
         assert self._bus is not None
         future = asyncio.run_coroutine_threadsafe(
-            _in_context(context, self._bus.publish(subject, message)), self._loop
+            _in_context(context, self._bus.publish(subject, message, span=span)), self._loop
         )
         future.add_done_callback(_log_failure)
         return future

@@ -157,8 +157,9 @@ def test_partial_prefix_hit_on_decode_pushes_only_the_missing_blocks(
         bus = await Bus.connect(BusConfig(url=nats_server.url, name="observer"))
 
         async def on_done(subject: str, message: Any) -> None:
-            pushed.append(message)
-            done.set()
+            if isinstance(message, KvPushed):  # not the KvPushing hint
+                pushed.append(message)
+                done.set()
 
         await bus.subscribe(subjects.kv_done(DECODE_ID), on_done)
         await bus.flush()

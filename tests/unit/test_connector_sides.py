@@ -32,6 +32,7 @@ from kvpush.schemas.messages import (
     FailReason,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
     TransferMode,
     WorkerRole,
@@ -58,7 +59,7 @@ class Recorder:
 
         return record
 
-    def publish(self, subject: str, message: Any, context: Any = None) -> None:
+    def publish(self, subject: str, message: Any, context: Any = None, span: bool = True) -> None:
         self.published.append((subject, message))
 
     def subscribe(self, subject: str, handler: Any) -> None:
@@ -239,3 +240,16 @@ def test_decode_pull_refuses_a_kv_ready_of_another_layout_and_recomputes() -> No
     side.on_bus("", ready)
     assert "start_pull" not in rec.names() and rec.messages(Abort)
     assert side.collect([]) == (set(), {"r0": [5, 6]})  # failed: D computes the prompt itself
+
+
+def test_push_start_is_hinted_and_decode_then_polls_its_rank_at_full_rate() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement())
+    (hint,) = rec.messages(KvPushing)
+    assert (hint.transfer_id, hint.decode_id, hint.rank, hint.tp) == (TID, "d0", 0, 1)
+    drec = Recorder()
+    dside, _ = decode_side(drec)
+    dside.on_pushed("", KvPushing(transfer_id=TID, prefill_id="p0", decode_id="d0"))
+    assert drec.names()[-1] == "hurry"
