@@ -95,7 +95,11 @@ class WorkerHalf:
             layout,
         )
         rt = self.runtime
-        self.poller = Poller(self.transport, busy_interval_s=0.0005, on_events=rt.notify)
+        # idle polls (nothing live, no notice imminent) every 50 ms: a decode engine waiting for a
+        # prefill costs almost nothing; KvPushing switches it to 1 ms polls for the notice
+        self.poller = Poller(
+            self.transport, busy_interval_s=0.0005, idle_interval_s=0.05, on_events=rt.notify
+        )
         self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
         rank = Rank(self.rank, self.tp_size)
         if s.role is WorkerRole.PREFILL:

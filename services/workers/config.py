@@ -276,6 +276,11 @@ def config_from_args(
         subjects.check_id(values["worker_id"])
     except subjects.SubjectError as exc:
         raise ConfigError(str(exc)) from None
+    tp, executor = values.get("tensor_parallel_size", 1), values.get("executor", "")
+    if tp < 1:
+        raise ConfigError(f"--tp must be >= 1, not {tp}")
+    if tp > 1 and executor == "uni":
+        raise ConfigError("--tp > 1 needs --executor mp (one process per rank)")
     values["model_dir"] = str(Path(values.get("model_dir") or default_model_dir()).resolve())
     values.setdefault("model_name", model_name_of(values["model_dir"]))
     if "max_model_len" not in values:

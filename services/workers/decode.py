@@ -42,7 +42,7 @@ from kvpush.schemas.messages import (
 )
 from kvpush.services.telemetry.breakdown import merge
 from kvpush.services.workers.config import WorkerConfig
-from kvpush.services.workers.engine import EngineOutput, RequestHandle
+from kvpush.services.workers.handles import EngineOutput, RequestHandle
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,8 @@ from kvpush.schemas.messages import (
 )
 from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
-from kvpush.services.workers.engine import EngineHost, RequestHandle
+from kvpush.services.workers.engine import EngineHost
+from kvpush.services.workers.handles import RequestHandle
 from kvpush.services.workers.registry import Registry
 
 log = logging.getLogger(__name__)

@@ -109,3 +109,18 @@ def test_worker_and_up_configs_raise_config_errors_not_exits(tmp_path) -> None:
     with pytest.raises(ConfigError, match="--decode"):
         UpConfig.from_args(up_args, {})
     assert UpConfig.from_args(parse(UP_SETTINGS), {"KVPUSH_UP_PREFILL": "2"}).prefill == 2
+
+
+def test_tensor_parallel_flags_reach_the_engine_and_bad_ones_are_config_errors(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = parser.parse_args(["--tp", "2", "--cpus", "0,1", "--model", str(tmp_path)])
+    engine = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
+    assert (engine.tp, engine.backend) == (2, "mp")
+    for bad, match in ((["--tp", "0"], "--tp"), (["--tp", "2", "--executor", "uni"], "mp")):
+        args = parser.parse_args([*bad, "--model", str(tmp_path)])
+        with pytest.raises(ConfigError, match=match):
+            worker_config.config_from_args(WorkerRole.DECODE, args, {})
+    with pytest.raises(ConfigError, match="--tp"):
+        UpConfig.from_args(parse(UP_SETTINGS, "--tp", "0"), {})
+    assert UpConfig.from_args(parse(UP_SETTINGS), {"KVPUSH_UP_TP": "2"}).tp == 2
