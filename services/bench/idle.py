@@ -229,7 +229,10 @@ def main(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     model = str(models.build_model(models.TINY, models.default_model_cache_dir() / "kvpush-tiny"))
-    log = str(Path(args.out or "idle.json").with_suffix(".log"))
+    log_dir = Path.home() / ".cache" / "kvpush" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = str(log_dir / "bench-idle.log")  # vLLM's output of every engine
+    print(f"kvpush bench idle: engine logs in {log}", flush=True)
     results: dict[str, Any] = {"meta": {"stamp": docgen.stamp(), "revision": docgen.revision()}}
     results["modes"] = []
     nats = EmbeddedNats()

@@ -58,28 +58,33 @@ def pd_engines(
     tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
 ) -> Iterator[tuple[EngineProc, EngineProc]]:
     """The session's prefill (P, core 0) and decode (D, core 1) engines, started in parallel."""
-    url = nats_server.url
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(
-            start_engine,
-            "P",
-            tiny_model,
-            P_CORES,
-            engine_logs,
-            kv_transfer_config=connector_config("prefill", PREFILL_ID, url),
-        )
-        decode = pool.submit(
-            start_engine,
-            "D",
-            tiny_model,
-            D_CORES,
-            engine_logs,
-            kv_transfer_config=connector_config("decode", DECODE_ID, url, transfer_timeout_s=20.0),
-        )
-        engines = (prefill.result(), decode.result())
+    names = (("P", PREFILL_ID, P_CORES), ("D", DECODE_ID, D_CORES))
+    engines = start_pair(tiny_model, nats_server.url, engine_logs, names)
     yield engines
     for engine in engines:
         engine.stop()
+
+
+def start_pair(
+    model: Path,
+    url: str,
+    logs: Path,
+    names: tuple[tuple[str, str, list[int]], tuple[str, str, list[int]]],
+    **overrides: Any,
+) -> tuple[EngineProc, EngineProc]:
+    """A prefill and a decode engine ((log name, worker id, cores) each), started in parallel;
+    ``overrides`` are EngineConfig fields of both."""
+    (p_name, p_id, p_cores), (d_name, d_id, d_cores) = names
+    p_config = connector_config("prefill", p_id, url)
+    d_config = connector_config("decode", d_id, url, transfer_timeout_s=20.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(
+            start_engine, p_name, model, p_cores, logs, kv_transfer_config=p_config, **overrides
+        )
+        decode = pool.submit(
+            start_engine, d_name, model, d_cores, logs, kv_transfer_config=d_config, **overrides
+        )
+        return prefill.result(), decode.result()
 
 
 def wait_for(

@@ -13,7 +13,6 @@ side of a transfer would hold them.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import random
 import threading
 import time
@@ -27,9 +26,15 @@ import pytest
 from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import Abort, AbortAck, FailReason, KvFailed, KvPushed, KvReady, subjects
 from kvpush.services.natsd import EmbeddedNats
-from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config, wait_for
+from tests.integration.conftest import (
+    DECODE_ID,
+    PREFILL_ID,
+    connector_config,
+    start_pair,
+    wait_for,
+)
 from tests.integration.engine_proc import EngineProc, start_engine
-from tests.integration.test_connector_vllm import BLOCK, MAX_TOKENS, prompt, request
+from tests.integration.test_connector_vllm import BLOCK, prompt, reference, request
 
 pytestmark = pytest.mark.engine
 P_TP, D_TP = "p-tp2", "d-tp2"
@@ -40,27 +45,8 @@ TP_CORES = [0, 1]  # each engine: rank 0 on core 0, rank 1 on core 1
 def tp_engines(
     tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
 ) -> Iterator[tuple[EngineProc, EngineProc]]:
-    url = nats_server.url
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(
-            start_engine,
-            "P-tp2",
-            tiny_model,
-            TP_CORES,
-            engine_logs,
-            tensor_parallel_size=2,
-            kv_transfer_config=connector_config("prefill", P_TP, url),
-        )
-        decode = pool.submit(
-            start_engine,
-            "D-tp2",
-            tiny_model,
-            TP_CORES,
-            engine_logs,
-            tensor_parallel_size=2,
-            kv_transfer_config=connector_config("decode", D_TP, url, transfer_timeout_s=20.0),
-        )
-        engines = (prefill.result(), decode.result())
+    names = (("P-tp2", P_TP, TP_CORES), ("D-tp2", D_TP, TP_CORES))
+    engines = start_pair(tiny_model, nats_server.url, engine_logs, names, tensor_parallel_size=2)
     yield engines
     for engine in engines:
         engine.stop()
@@ -137,13 +123,6 @@ def kv(tid: str, prefill_id: str, decode_id: str, mode: str) -> dict[str, Any]:
             "mode": mode,
         }
     }
-
-
-def reference(decode: EngineProc, ids: list[int]) -> list[int]:
-    rid = f"ref-{uuid.uuid4().hex[:12]}"
-    (out,) = decode.generate([request(rid, ids, salt=rid)])
-    assert out["error"] is None and len(out["token_ids"]) == MAX_TOKENS
-    return out["token_ids"]
 
 
 def run_pd(
