@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.services.bench import docgen, push_split_report, transport_report
+from kvpush.services.bench import docgen, idle, push_split_report, transport_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -50,6 +50,14 @@ def test_connector_md_time_split_is_what_the_committed_run_generates() -> None:
     doc = DOCS / "connector.md"
     command = push_split_report.REPORT_COMMAND
     assert not docgen.update(doc, push_split_report.SECTION, body, command, check=True)
+
+
+def test_connector_md_waiting_cost_is_what_the_committed_run_generates() -> None:
+    results = json.loads((DOCS / "benchmarks" / "idle.json").read_text())
+    assert {(r["mode"], r["tp"]) for r in results["modes"]} == set(idle.MODES)
+    body = idle.table(results)
+    doc = DOCS / "connector.md"
+    assert not docgen.update(doc, "idle", body, idle.REPORT_COMMAND, check=True)
 
 
 def test_transport_summary_refuses_runs_of_different_settings(tmp_path: Path) -> None:
