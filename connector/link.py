@@ -7,7 +7,8 @@ reaches the scheduler half through the engine, never through a module global: it
 the scheduler half knows came through vLLM or its wake-up line (``connector/vllm/scheduler.py``).
 The link gives the wake-up signal (``activity``), the pending count, the last step's idleness,
 every rank's identity (``ranks``, ``info`` for rank 0), and the suspect-peer input. The timing
-marks of a transfer come on the request's final output (``kvpush.connector.timing_of``).
+marks of a transfer come on the request's final output (``kvpush.connector.timing_of``), and
+those that came up in its last step from ``take_timing``.
 
 An engine without a kvpush connector gets a link of its own event and no work: the driver's loop
 is the same with or without one.
@@ -23,6 +24,7 @@ import threading
 from typing import Any
 
 from kvpush.connector.vllm.runtime import ConnectorInfo
+from kvpush.schemas.messages import Timing
 
 
 class EngineLink:
@@ -64,6 +66,10 @@ class EngineLink:
 
     def last_step_idle(self) -> bool:
         return bool(self._half is not None and self._half.last_step_idle)
+
+    def take_timing(self, transfer_id: str) -> Timing | None:
+        """Marks of ``transfer_id`` the final output could not carry yet (and forget them)."""
+        return self._half.take_timing(transfer_id) if self._half is not None else None
 
     def suspect_peer(self, address: str) -> None:
         """Tell every rank's decode side that the peer at ``address`` may be gone."""

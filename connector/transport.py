@@ -219,6 +219,7 @@ class KvTransport:
         """The peer is dead (lease expired): remove its agent; fail and quiesce its transfers."""
         with self._lock:
             self._drop(address, "peer lost")
+        self._changed()  # the failed transfers' events: poll them now
 
     # ---- transfers --------------------------------------------------------------------------
     def start_push(

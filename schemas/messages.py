@@ -26,7 +26,8 @@ PROTOCOL_HISTORY: Final = {
     " optional ``rank`` and ``tp`` (the sender's tensor-parallel rank and size; absent: 0"
     " and 1) on BlocksAnnounced, KvReady, KvPushed, KvFailed, AbortAck and Abort (rank"
     " absent on Abort: every rank), optional ``side_channels`` (one per rank) on"
-    " WorkerHeartbeat; KvPushing (P -> D: a push started) on the kv.done subject",
+    " WorkerHeartbeat; KvPushing (P -> D: a push started) on the kv.done subject (a decoder"
+    " older than it drops it as a wrong type: only its poll rate is lost)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 

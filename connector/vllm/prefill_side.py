@@ -73,7 +73,10 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         if not isinstance(message, (BlocksAnnounced, Abort)) or not self.mine(message):
             return
         with self.lock:
-            self._deliver(message.transfer_id, message)
+            if not self._deliver(message.transfer_id, message):
+                return
+        # an Abort or a refused announcement may have settled a transfer: only a step reports it
+        self.runtime.notify()
 
     def _apply(self, out: Outgoing, message: BlocksAnnounced | Abort) -> None:
         if isinstance(message, Abort):
@@ -201,6 +204,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         last = -(-out.num_tokens // self.block_size)
         remaining = max(0.05, out.deadline - time.monotonic())
         self.transport.expect(tid, remaining)
+        self.transport.hurry(tid)  # D READs now: its notice frees our blocks
         out.advance(OutgoingState.POSTED)
         self._publish(
             out.params,

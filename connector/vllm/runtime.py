@@ -53,6 +53,7 @@ from kvpush.schemas.messages import Timing
 
 log = logging.getLogger(__name__)
 MAX_MARKS = 8192
+LATEST_WINS = frozenset({"kv_sent", "kv_landed"})
 MAX_DEADLINES = 65536  # beyond: not timed (the driver's own longest sleep still bounds it)
 
 
@@ -68,7 +69,8 @@ class ConnectorInfo(msgspec.Struct, frozen=True):
 
 
 class TimingMarks:
-    """``Timing`` instants per transfer id, bounded (oldest dropped first); first value wins."""
+    """``Timing`` instants per transfer id, bounded (oldest dropped first); first value wins,
+    but for the end of a transfer (``LATEST_WINS``), where the last rank's counts."""
 
     def __init__(self, limit: int = MAX_MARKS) -> None:
         self.limit = limit
@@ -82,7 +84,11 @@ class TimingMarks:
             if entry is None:
                 entry = self._marks[transfer_id] = {}
             for field, value in instants.items():
-                if value and not entry.get(field):
+                if not value:
+                    continue
+                if field in LATEST_WINS:  # with TP: the transfer ends with its last rank
+                    entry[field] = max(value, entry.get(field, 0))
+                elif not entry.get(field):
                     entry[field] = value
 
     def record_timing(self, transfer_id: str, timing: Timing | None) -> None:
@@ -112,11 +118,19 @@ class WakeTimer:
         self._cond = threading.Condition()
         self._times: list[float] = []
         self._closed = False
+        self.dropped = 0  # deadlines not timed (the driver's longest sleep bounds them)
         self._thread: threading.Thread | None = None
 
     def at(self, when: float) -> None:
         with self._cond:
-            if self._closed or len(self._times) >= self.limit:
+            if self._closed:
+                return
+            if len(self._times) >= self.limit:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning(
+                        "kvpush deadline timer full (%d): a deadline goes untimed", self.limit
+                    )
                 return
             heapq.heappush(self._times, when)
             if self._thread is None:
@@ -230,7 +244,11 @@ class BusThread:
         (hints) sends it outside any trace."""
         assert self._bus is not None
         future = asyncio.run_coroutine_threadsafe(
-            _in_context(context, self._bus.publish(subject, message, span=span)), self._loop
+            _in_context(
+                context if span else Context(),  # empty: no traceparent goes with a hint
+                self._bus.publish(subject, message, span=span),
+            ),
+            self._loop,
         )
         future.add_done_callback(_log_failure)
         return future

@@ -212,6 +212,11 @@ class SchedulerHalf:
             self._suspects.append(address)
         self.activity.set()
 
+    def take_timing(self, transfer_id: str) -> Any:
+        """Marks of a transfer that came up after its request finished (vLLM calls
+        ``request_finished`` before ``update_connector_output`` in the same step)."""
+        return self._marks.take(transfer_id)
+
     def shutdown(self) -> None:
         self._wake.close()
 

@@ -157,7 +157,12 @@ class WorkerHalf:
         step; a failed receive is not in finished_recving (the facade reports it per version)."""
         events = self._drain()
         if self.prefill is not None:
-            return self.prefill.collect(finished_req_ids, events), set(), {}
+            released = self.prefill.collect(finished_req_ids, events)
+            if released:
+                # vLLM frees these blocks after this step's schedule(): requests waiting for
+                # blocks get them only in the next step, which an idle driver must not sleep off
+                self.runtime.notify()
+            return released, set(), {}
         if self.decode is not None:
             recving, failed = self.decode.collect(events)
             if recving or failed:

@@ -151,7 +151,7 @@ class DecodeWorker(Worker):
             len(event.prompt_token_ids),
             event.mode.value,
             event.prefill_id,
-            addresses,
+            ", ".join(addresses or []),
         )
         seq = count = 0
         held_ids: list[int] = []  # stream=false: everything goes in the last chunk
@@ -169,7 +169,8 @@ class DecodeWorker(Worker):
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
             ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
-            marks = _trace(entry, handle, timing_of(out.kv_transfer_params))
+            late = self.host.link.take_timing(tid)  # came up in the request's last step
+            marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
             await self._send(event, seq, ids, text, reason, count, error, marks)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at

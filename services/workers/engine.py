@@ -335,6 +335,8 @@ class EngineHost:
                     self._abort(rid, "error", f"engine step failed: {exc!r}")
             if self._step_failures >= 3:
                 raise  # the engine is broken: stop the host
+            time.sleep(self.config.idle_wait_s)  # then retry at once (the set wake event)
+            self.link.activity.set()
             return True
         self._step_failures = 0
         self.steps += 1

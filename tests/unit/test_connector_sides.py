@@ -23,7 +23,7 @@ from kvpush.connector.transfer import InvalidTransition, Role, TransferEvent, Tr
 from kvpush.connector.vllm.decode_side import DecodeSide, IncomingState
 from kvpush.connector.vllm.outgoing import OutgoingState
 from kvpush.connector.vllm.prefill_side import PrefillSide
-from kvpush.connector.vllm.runtime import WorkerRuntime
+from kvpush.connector.vllm.runtime import TimingMarks, WorkerRuntime
 from kvpush.connector.vllm.side import Rank
 from kvpush.schemas.messages import (
     Abort,
@@ -253,3 +253,29 @@ def test_push_start_is_hinted_and_decode_then_polls_its_rank_at_full_rate() -> N
     dside, _ = decode_side(drec)
     dside.on_pushed("", KvPushing(transfer_id=TID, prefill_id="p0", decode_id="d0"))
     assert drec.names()[-1] == "hurry"
+
+
+def test_a_transfer_settled_on_the_bus_thread_wakes_the_driver() -> None:
+    """An Abort (or a refused announcement) settles a transfer off the engine thread: only a
+    step frees its blocks, so the side must wake the driver, which may sleep long."""
+    woken: list[int] = []
+    runtime = WorkerRuntime(lambda: woken.append(1))
+    rec = Recorder()
+    settings = ConnectorSettings(worker_id="p0", role=WorkerRole.PREFILL)
+    side = PrefillSide(settings, rec, rec, runtime, Rank(), LAYERS, BLOCK)  # type: ignore[arg-type]
+    side.on_work(work(completes=False))
+    assert woken == []
+    side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="decode computes it"))
+    assert side._by_tid[TID].settled and woken == [1]
+    side.on_bus("", Abort(transfer_id="transfer-other", sender="d0"))  # unknown: kept, no wake
+    assert woken == [1]
+    runtime.timer.close()
+
+
+def test_timing_marks_keep_the_first_start_and_the_last_ranks_end() -> None:
+    marks = TimingMarks()
+    marks.record(TID, prefill_start=5, kv_landed=10)
+    marks.record(TID, prefill_start=7, kv_landed=30)  # rank 1 landed later
+    marks.record(TID, kv_landed=20)
+    timing = marks.take(TID)
+    assert timing is not None and (timing.prefill_start, timing.kv_landed) == (5, 30)
