@@ -14,8 +14,9 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 EPILOG = """\
 Quick start:
@@ -142,6 +143,25 @@ def _cmd_bench_report(args: argparse.Namespace) -> int:
     return report.main(args)
 
 
+def _action(
+    sub: Any,
+    name: str,
+    help_text: str,
+    description: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    func: Callable[[argparse.Namespace], int],
+) -> None:
+    """One subcommand: its parser (help, raw description), its arguments, its function."""
+    parser = sub.add_parser(
+        name,
+        help=help_text,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=func)
+
+
 def _cmd_bench_idle(args: argparse.Namespace) -> int:
     from kvpush.services.bench import idle
 
@@ -250,49 +270,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (results go under docs/benchmarks/)")
     bench_sub = bench.add_subparsers(dest="action", required=True, metavar="ACTION")
+    from kvpush.services.bench import idle as bench_idle
+    from kvpush.services.bench import serve as bench_serve
     from kvpush.services.bench import transport as bench_transport
 
-    bench_transport.add_arguments(
-        bench_sub.add_parser(
-            "transport",
-            help="NIXL push/pull vs raw WRITE vs memcpy at the bench model's KV sizes",
-            description=bench_transport.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    _action(
+        bench_sub,
+        "transport",
+        "NIXL push/pull vs raw WRITE vs memcpy at the bench model's KV sizes",
+        bench_transport.__doc__,
+        bench_transport.add_arguments,
+        _cmd_bench_transport,
     )
-    bench_sub.choices["transport"].set_defaults(func=_cmd_bench_transport)
-    from kvpush.services.bench import idle as bench_idle
-
-    bench_idle.add_arguments(
-        bench_sub.add_parser(
-            "idle",
-            help="CPU a decode engine burns while it waits for KV, per executor mode",
-            description=bench_idle.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    _action(
+        bench_sub,
+        "idle",
+        "CPU a decode engine burns while it waits for KV, per executor mode",
+        bench_idle.__doc__,
+        bench_idle.add_arguments,
+        _cmd_bench_idle,
     )
-    bench_sub.choices["idle"].set_defaults(func=_cmd_bench_idle)
-    from kvpush.services.bench import serve as bench_serve
-
-    bench_serve.add_arguments(
-        bench_sub.add_parser(
-            "serve",
-            help="kvpush push/pull vs vLLM's NixlConnector/NixlPushConnector vs one engine, "
-            "over HTTP, QPS sweep",
-            description=bench_serve.__doc__ + "\n\n" + _BENCH_SERVE_EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    _action(
+        bench_sub,
+        "serve",
+        "kvpush push/pull vs vLLM's NixlConnector/NixlPushConnector vs one engine, "
+        "over HTTP, QPS sweep",
+        (bench_serve.__doc__ or "") + "\n\n" + _BENCH_SERVE_EPILOG,
+        bench_serve.add_arguments,
+        _cmd_bench_serve,
     )
-    bench_sub.choices["serve"].set_defaults(func=_cmd_bench_serve)
-    bench_serve.add_report_arguments(
-        bench_sub.add_parser(
-            "report",
-            help="the markdown tables and target verdicts of a `bench serve` results.json",
-            description=bench_serve.REPORT_DOC,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    _action(
+        bench_sub,
+        "report",
+        "the markdown tables and target verdicts of a `bench serve` results.json",
+        bench_serve.REPORT_DOC,
+        bench_serve.add_report_arguments,
+        _cmd_bench_report,
     )
-    bench_sub.choices["report"].set_defaults(func=_cmd_bench_report)
     soak = bench_sub.add_parser(
         "soak",
         help="load + random faults for N minutes: 0 wrong tokens, 0 leaks, 0 unexpected errors",
