@@ -13,17 +13,16 @@ from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent, 
 from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.bus import DEFAULT_NATS_URL, Bus, BusConfig, BusConnectError
 from kvpush.connector.layout import (
-    CompatInfo,
     KvRegion,
     MemType,
     PoolLayout,
-    compat_hash,
     ids_to_runs,
     pool_layout,
     runs_to_ids,
 )
 from kvpush.connector.link import EngineLink
 from kvpush.connector.params import ConnectorSettings, TransferParams, read_params, timing_of
+from kvpush.connector.peering import CompatInfo, compat_hash
 from kvpush.connector.poller import Poller
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
 from kvpush.connector.tracing import (

@@ -26,8 +26,10 @@ import numpy as np
 from kvpush.connector.agent import AgentError, NixlAgent, XferStatus
 from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.layout import (
+    WHOLE,
     PoolLayout,
     Runs,
+    Slice,
     check_runs,
     descriptor_pair,
     descriptors_per_layer,
@@ -35,6 +37,7 @@ from kvpush.connector.layout import (
     pair_runs,
     segment_ids,
 )
+from kvpush.connector.peering import slice_diff
 from kvpush.connector.sidechannel import PeerInfo, TransportError
 from kvpush.connector.transfer import (
     NOTICE_VERSION,
@@ -52,6 +55,17 @@ from kvpush.schemas.messages import FailReason
 
 log = logging.getLogger(__name__)
 _S = TransferState
+
+
+class LegSpec(msgspec.Struct, frozen=True):
+    """How one initiator transfer meets its target when TP differs (defaults: equal TP): the
+    target's transfer id, the (our, their) slices of each block, our rank among the
+    ``senders`` ranks that write into that target."""
+
+    remote_id: str = ""
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE)
+    sender: int = 0
+    senders: int = 1
 
 
 @dataclass(eq=False)
@@ -84,7 +98,7 @@ class TransferEngine:
         self.clock = clock
         self.peers: dict[str, PeerLink] = {}
         self.transfers: dict[str, Transfer] = {}
-        self._early: BoundedDict[str, NoticeKind] = BoundedDict(max_early_notices)
+        self._early: BoundedDict[str, list[Notice]] = BoundedDict(max_early_notices)
         self.ended: BoundedDict[str, TransferState] = BoundedDict(max_transfers)  # reaped
 
     # ---- creating ---------------------------------------------------------------------------
@@ -116,11 +130,15 @@ class TransferEngine:
         local_runs: Runs,
         timeout_s: float,
         peer_epoch: int | None,
+        link: LegSpec | None = None,
     ) -> Transfer:
         """A new initiator transfer; READY at once if ``peer`` is attached, else WAITING_PEER."""
         check_runs(local_runs, self.layout.num_blocks, "local")
         segments = pair_runs(local_runs, remote_runs)
         t = self._new(transfer_id, role, peer, timeout_s, peer_epoch)
+        spec = link or LegSpec()
+        t.remote_id = spec.remote_id or transfer_id
+        t.parts, t.sender = spec.parts, (spec.sender, spec.senders)
         t.segments = segments
         t.local_ids, t.remote_ids = segment_ids(segments, 0), segment_ids(segments, 1)
         if peer in self.peers:
@@ -129,9 +147,8 @@ class TransferEngine:
 
     def expect(self, transfer_id: str, timeout_s: float, peer: str | None) -> Transfer:
         t = self._new(transfer_id, Role.TARGET, peer, timeout_s, None)
-        early = self._early.pop(transfer_id, None)
-        if early is not None:
-            t.on_notice(early, self.clock())
+        for notice in self._early.pop(transfer_id, None) or []:
+            t.on_notice(notice.kind, self.clock(), notice.sender, notice.senders)
         return t
 
     # ---- peers ------------------------------------------------------------------------------
@@ -184,12 +201,17 @@ class TransferEngine:
             self._fail(t, now, FailReason.POST, str(exc))
             return
         remote = peer.info.pool
-        if self.local_prep is not None and peer.prep is not None:
+        mismatch = slice_diff(self.layout, remote, *t.parts)
+        if mismatch:  # before any request: nothing was written
+            self._fail(t, now, FailReason.INCOMPATIBLE, mismatch[0])
+            return
+        whole = t.parts[0].whole and t.parts[1].whole
+        if self.local_prep is not None and peer.prep is not None and whole:
             t.local_index = layer_index_tables(self.layout, t.local_ids)
             t.remote_index = layer_index_tables(remote, t.remote_ids)
-        t.layer_descs = descriptors_per_layer(self.layout, remote, t.segments)
+        t.layer_descs = descriptors_per_layer(self.layout, remote, t.segments, t.parts)
         t.layer_nbytes = [
-            int(t.local_ids.size) * self.layout.layer_bytes([layer])
+            int(t.local_ids.size) * self.layout.layer_bytes([layer]) // t.parts[0].parts
             for layer in range(self.layout.num_layers)
         ]
         t.to(_S.READY, now)
@@ -241,7 +263,7 @@ class TransferEngine:
                     descs,
                 )
             else:
-                lrows, rrows = descriptor_pair(self.layout, remote, layers, t.segments)
+                lrows, rrows = descriptor_pair(self.layout, remote, layers, t.segments, t.parts)
                 handle, status = self.agent.post_rows(
                     op, lrows, rrows, peer.agent_name, self.layout.mem_type, nbytes
                 )
@@ -291,13 +313,9 @@ class TransferEngine:
         if peer is None:
             return False
         t.end_notice_sent = True
+        notice = Notice(NOTICE_VERSION, kind, t.remote_id or t.transfer_id, *t.sender)
         try:
-            self.agent.notify(
-                peer.agent_name,
-                notice_encoder.encode(
-                    Notice(version=NOTICE_VERSION, kind=kind, transfer_id=t.transfer_id)
-                ),
-            )
+            self.agent.notify(peer.agent_name, notice_encoder.encode(notice))
         except AgentError as exc:
             log.warning(
                 "transfer %s: %s notice to %s failed: %s", t.transfer_id, kind.value, t.peer, exc
@@ -319,10 +337,16 @@ class TransferEngine:
         if t is not None:
             self._fail(t, self.clock(), reason, detail)
 
-    def acknowledged(self, transfer_id: str) -> None:
+    def acknowledged(self, transfer_id: str, sender: int | None, senders: int) -> None:
+        """The bus said sender rank ``sender`` (of ``senders``) has nothing in flight for this
+        target transfer; ``None``: no sender can write into it any more (e.g. it is read)."""
         t = self.transfers.get(transfer_id)
-        if t is not None and not t.initiator:
-            t.on_notice(NoticeKind.ABORTED, self.clock())
+        if t is None or t.initiator:
+            return
+        if sender is None:
+            t.noticed = True
+            sender = 0
+        t.on_notice(NoticeKind.ABORTED, self.clock(), sender, senders)
 
     def _fail(self, t: Transfer, now: float, reason: FailReason, detail: str) -> None:
         if t.state.terminal:
@@ -392,7 +416,8 @@ class TransferEngine:
             return
         t = self.transfers.get(notice.transfer_id)
         if t is None:  # not expected yet (or already forgotten): keep it, bounded
-            self._early[notice.transfer_id] = notice.kind
+            early = self._early.get(notice.transfer_id) or []
+            self._early[notice.transfer_id] = [*early, notice]
             return
         if t.initiator:
             log.warning(
@@ -402,7 +427,7 @@ class TransferEngine:
                 sender,
             )
             return
-        t.on_notice(notice.kind, now)
+        t.on_notice(notice.kind, now, notice.sender, notice.senders)
 
     def get(self, transfer_id: str) -> Transfer:
         t = self.transfers.get(transfer_id)

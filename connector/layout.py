@@ -5,15 +5,16 @@ Owns:
   address, block stride, bytes per block). They travel on the side channel as msgspec arrays of
   integers; NIXL descriptors are always built locally from them (NIXL's own serialized
   descriptor lists are pickles and never cross a process boundary here).
-- ``CompatInfo`` / ``compat_hash``: what two engines must agree on before one may write the
-  other's blocks (kvpush protocol version, model, dtype, block size, layout name, tp).
+- ``Slice``: part i of n equal byte ranges of a block (what a rank exchanges with a rank of
+  another TP; peering.py says which, and whether two engines may exchange blocks at all).
 - block runs (``[[first_id, count], ...]``, the bus encoding) <-> ids, pairing of local and
   remote runs into segments contiguous on both sides, and descriptor building: coalesced
   ``(addr, len, dev)`` rows (one per segment per region when blocks are dense) or per-block
   indices into prepped lists (NIXL then merges adjacent rows to the same count).
 
 Descriptor order is always layer -> region -> segment, identical on both sides, so row i of the
-local list pairs with row i of the remote list.
+local list pairs with row i of the remote list. A ``Slice`` other than the whole block makes
+one row per block (addresses offset into each block, length the slice's).
 
 Threading model: none. Pure functions over frozen structs; safe from any thread.
 """
@@ -21,15 +22,12 @@ Threading model: none. Pure functions over frozen structs; safe from any thread.
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
-
-from kvpush.schemas.messages import PROTOCOL_VERSION
 
 Runs = Sequence[Sequence[int]]
 
@@ -89,47 +87,23 @@ class PoolLayout(msgspec.Struct, frozen=True):
         return sum(r.num_blocks for regions in self.layers for r in regions)
 
 
-class CompatInfo(msgspec.Struct, frozen=True):
-    """What must match between two engines that exchange KV blocks."""
+class Slice(msgspec.Struct, frozen=True, array_like=True):
+    """Part ``index`` of ``parts`` equal byte ranges of every block (``Slice()``: all of it)."""
 
-    model: str
-    dtype: str
-    block_size: int
-    layout: str
-    tp: int = 1
-    protocol: int = PROTOCOL_VERSION
+    index: int = 0
+    parts: int = 1
 
+    @property
+    def whole(self) -> bool:
+        return self.parts == 1
 
-def compat_hash(info: CompatInfo) -> str:
-    """32 hex chars (fits the bus ``CompatHash`` pattern): sha256 of the canonical JSON."""
-    return hashlib.sha256(msgspec.json.encode(info, order="sorted")).hexdigest()[:32]
-
-
-def compat_diff(local: CompatInfo, peer: CompatInfo) -> list[str]:
-    """Human-readable differences, e.g. ``["dtype: local float32, peer float16"]``."""
-    out = []
-    for field in local.__struct_fields__:
-        mine, theirs = getattr(local, field), getattr(peer, field)
-        if mine != theirs:
-            out.append(f"{field}: local {mine!r}, peer {theirs!r}")
-    return out
+    def bounds(self, block_bytes: int) -> tuple[int, int]:
+        """(offset, length) of this slice inside a block of ``block_bytes``."""
+        length = block_bytes // self.parts
+        return self.index * length, length
 
 
-def geometry_diff(local: PoolLayout, peer: PoolLayout) -> list[str]:
-    out = []
-    if local.mem_type != peer.mem_type:
-        out.append(f"mem_type: local {local.mem_type.value}, peer {peer.mem_type.value}")
-    if local.geometry() != peer.geometry():
-        out.append(
-            f"bytes per block per layer/region: local {_short(local.geometry())}, "
-            f"peer {_short(peer.geometry())}"
-        )
-    return out
-
-
-def _short(geometry: list[list[int]]) -> str:
-    text = str(geometry)
-    return text if len(text) <= 80 else text[:77] + "..."
+WHOLE = Slice()
 
 
 # ---- building a layout from arrays ----------------------------------------------------------
@@ -274,44 +248,60 @@ def segment_ids(segments: np.ndarray, column: int) -> np.ndarray:
 # ---- descriptors ----------------------------------------------------------------------------
 
 
-def _rows(region: KvRegion, firsts: np.ndarray, counts: np.ndarray, dense: bool) -> np.ndarray:
+def _rows(
+    region: KvRegion, firsts: np.ndarray, counts: np.ndarray, dense: bool, part: Slice = WHOLE
+) -> np.ndarray:
     if not dense:  # one row per block
         ids = runs_to_ids(np.stack([firsts, counts], axis=1))
         firsts, counts = ids, np.ones_like(ids)
+    offset, length = part.bounds(region.block_bytes)
     out = np.empty((firsts.size, 3), dtype=np.uint64)
-    out[:, 0] = np.uint64(region.base) + firsts.astype(np.uint64) * np.uint64(region.stride)
-    out[:, 1] = counts.astype(np.uint64) * np.uint64(region.block_bytes)
+    out[:, 0] = np.uint64(region.base + offset) + firsts.astype(np.uint64) * np.uint64(
+        region.stride
+    )
+    out[:, 1] = counts.astype(np.uint64) * np.uint64(length)
     out[:, 2] = region.device
     return out
 
 
 def descriptor_pair(
-    local: PoolLayout, remote: PoolLayout, layers: Sequence[int], segments: np.ndarray
+    local: PoolLayout,
+    remote: PoolLayout,
+    layers: Sequence[int],
+    segments: np.ndarray,
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Coalesced ``(addr, len, dev)`` rows for ``layers``: local side and remote side, aligned.
 
-    A segment is one row per region when both regions are dense, else one row per block.
+    A segment is one row per region when both regions are dense and both ``parts`` (local,
+    remote) are whole blocks, else one row per block.
     """
     lrows: list[np.ndarray] = []
     rrows: list[np.ndarray] = []
+    whole = parts[0].whole and parts[1].whole
     for layer in layers:
         for lreg, rreg in zip(local.layers[layer], remote.layers[layer], strict=True):
-            dense = lreg.dense and rreg.dense
-            lrows.append(_rows(lreg, segments[:, 0], segments[:, 2], dense))
-            rrows.append(_rows(rreg, segments[:, 1], segments[:, 2], dense))
+            dense = lreg.dense and rreg.dense and whole
+            lrows.append(_rows(lreg, segments[:, 0], segments[:, 2], dense, parts[0]))
+            rrows.append(_rows(rreg, segments[:, 1], segments[:, 2], dense, parts[1]))
     empty = np.zeros((0, 3), dtype=np.uint64)
     return (np.concatenate(lrows) if lrows else empty, np.concatenate(rrows) if rrows else empty)
 
 
 def count_descriptors(
-    local: PoolLayout, remote: PoolLayout, layers: Sequence[int], segments: np.ndarray
+    local: PoolLayout,
+    remote: PoolLayout,
+    layers: Sequence[int],
+    segments: np.ndarray,
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE),
 ) -> int:
     """Rows ``descriptor_pair`` would build (also what NIXL merges prepped indices down to)."""
     blocks = int(segments[:, 2].sum()) if len(segments) else 0
+    whole = parts[0].whole and parts[1].whole
     total = 0
     for layer in layers:
         for lreg, rreg in zip(local.layers[layer], remote.layers[layer], strict=True):
-            total += len(segments) if (lreg.dense and rreg.dense) else blocks
+            total += len(segments) if (lreg.dense and rreg.dense and whole) else blocks
     return total
 
 
@@ -349,6 +339,11 @@ def layer_index_tables(layout: PoolLayout, ids: np.ndarray) -> list[np.ndarray]:
     return [table[a:b].reshape(-1) for a, b in itertools.pairwise(bounds)]
 
 
-def descriptors_per_layer(local: PoolLayout, remote: PoolLayout, segments: np.ndarray) -> list[int]:
+def descriptors_per_layer(
+    local: PoolLayout,
+    remote: PoolLayout,
+    segments: np.ndarray,
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE),
+) -> list[int]:
     """``count_descriptors`` for each layer on its own."""
-    return [count_descriptors(local, remote, [i], segments) for i in range(local.num_layers)]
+    return [count_descriptors(local, remote, [i], segments, parts) for i in range(local.num_layers)]

@@ -40,7 +40,8 @@ import msgspec
 import zmq
 
 from kvpush.connector.bounded import BoundedDict
-from kvpush.connector.layout import CompatInfo, PoolLayout, compat_diff, compat_hash
+from kvpush.connector.layout import PoolLayout
+from kvpush.connector.peering import CompatInfo, compat_diff, compat_hash
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,9 @@ from a NIXL notification). States::
   was sent. ABORTING while aborted requests are still in flight.
 - target: WAITING_PEER until the initiator's notice: ``done`` -> DONE, ``aborted`` -> ABORTED,
   ``failed`` -> FAILED. A local ``abort`` moves it to ABORTING until the initiator's ack.
+  With a different TP on the two sides several initiator ranks write into one target (P of
+  TP 2 -> D of TP 1): each notice names its sender rank and how many senders the target has;
+  the target is DONE once every sender said done, and quiesced once every sender said anything.
 
 ``quiesced`` is separate from the state (DESIGN §4.3-4.4): an initiator is quiesced when no
 request of the transfer is in flight (all released); a target when the initiator said it is
@@ -35,6 +38,7 @@ import msgspec
 import numpy as np
 
 from kvpush.connector.agent import XferHandle
+from kvpush.connector.layout import WHOLE, Slice
 from kvpush.schemas.messages import FailReason, LayerTiming
 
 NOTICE_VERSION = 1
@@ -81,11 +85,14 @@ class NoticeKind(str, enum.Enum):
 
 
 class Notice(msgspec.Struct, frozen=True, array_like=True):
-    """The NIXL notification payload, JSON: ``[1, "done", "<transfer_id>"]``."""
+    """The NIXL notification payload, JSON: ``[1, "done", "<transfer_id>", 0, 1]``: the
+    target's transfer id, the sender's TP rank and how many ranks send to this target."""
 
     version: int
     kind: NoticeKind
     transfer_id: str
+    sender: int = 0
+    senders: int = 1
 
 
 notice_encoder = msgspec.json.Encoder()
@@ -132,6 +139,9 @@ class Transfer:
     created: float
     deadline: float
     peer_epoch: int | None = None
+    remote_id: str = ""  # initiator: the target's id of this transfer (notices carry it)
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE)  # initiator: (our, the peer's) slice of a block
+    sender: tuple[int, int] = (0, 1)  # initiator: our rank, how many ranks send to the target
     state: TransferState = TransferState.WAITING_PEER
     reason: FailReason | None = None
     detail: str = ""
@@ -155,7 +165,9 @@ class Transfer:
     nixl_descriptors: int | None = None
     timings: dict[int, list[float]] = field(default_factory=dict)
     # target side
-    noticed: bool = False
+    noticed: bool = False  # set alone when the peer is lost: nothing more can land
+    heard: dict[int, NoticeKind] = field(default_factory=dict)  # sender rank -> its word
+    senders: int = 1  # how many ranks write into this target (the notices say)
     # reporting
     reported: tuple[TransferState, bool] | None = None
 
@@ -189,7 +201,7 @@ class Transfer:
     def quiesced(self) -> bool:
         if self.initiator:
             return not self.in_flight
-        return self.noticed
+        return self.noticed or len(self.heard) >= self.senders
 
     @property
     def accepts_posts(self) -> bool:
@@ -225,15 +237,19 @@ class Transfer:
         )
 
     # ---- notices from the initiator (target side) ---------------------------------------------
-    def on_notice(self, kind: NoticeKind, now: float) -> None:
-        self.noticed = True
+    def on_notice(self, kind: NoticeKind, now: float, sender: int = 0, senders: int = 1) -> None:
+        """Sender rank ``sender`` (of ``senders`` writing here) is finished with this transfer.
+        A sender's failure or abort ends the transfer at once (unquiesced while a sibling may
+        still write); DONE needs every sender's done."""
+        self.senders = max(1, senders)
+        self.heard.setdefault(sender, kind)
         if self.state is TransferState.WAITING_PEER:
-            if kind is NoticeKind.DONE:
-                self.to(TransferState.DONE, now)
-            elif kind is NoticeKind.ABORTED:
+            if kind is NoticeKind.ABORTED:
                 self.to(TransferState.ABORTED, now, FailReason.ABORTED, "aborted by the peer")
-            else:
+            elif kind is NoticeKind.FAILED:
                 self.to(TransferState.FAILED, now, FailReason.TRANSFER, "the peer reported failure")
-        elif self.state is TransferState.ABORTING:
+            elif self.quiesced and all(k is NoticeKind.DONE for k in self.heard.values()):
+                self.to(TransferState.DONE, now)
+        elif self.state is TransferState.ABORTING and self.quiesced:
             self.to(TransferState.ABORTED, now, FailReason.ABORTED)
-        # terminal already (EXPIRED/FAILED locally): only ``noticed`` changes
+        # terminal already (EXPIRED/FAILED locally): only ``heard`` changes

@@ -37,9 +37,10 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent
-from kvpush.connector.engine import PeerLink, TransferEngine
-from kvpush.connector.layout import CompatInfo, PoolLayout, Runs, compat_hash, geometry_diff
+from kvpush.connector.engine import LegSpec, PeerLink, TransferEngine
+from kvpush.connector.layout import PoolLayout, Runs
 from kvpush.connector.layout import per_block_descs as _per_block_descs
+from kvpush.connector.peering import CompatInfo, compat_hash, geometry_diff
 from kvpush.connector.sidechannel import (
     HandshakeError,
     HandshakeFetches,
@@ -230,10 +231,12 @@ class KvTransport:
         local_runs: Runs,
         timeout_s: float,
         peer_epoch: int | None = None,
+        leg: LegSpec | None = None,
     ) -> TransferState:
-        """WRITE ``local_runs`` into the peer's announced ``remote_runs`` (same token order)."""
+        """WRITE ``local_runs`` into the peer's announced ``remote_runs`` (same token order);
+        ``leg`` when the peer runs another TP (slices of blocks, the target's id and senders)."""
         state = self._start(
-            Role.PUSH, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+            Role.PUSH, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch, leg
         )
         self._changed()
         return state
@@ -247,11 +250,12 @@ class KvTransport:
         timeout_s: float,
         peer_epoch: int | None = None,
         layer_groups: Sequence[Sequence[int]] | None = None,
+        leg: LegSpec | None = None,
     ) -> TransferState:
         """READ the peer's ``remote_runs`` into ``local_runs``; posts and finishes by itself."""
         with self._lock:
             self._start(
-                Role.PULL, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+                Role.PULL, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch, leg
             )
             for group in layer_groups or [range(self.layout.num_layers)]:
                 self._engine.push_layers(transfer_id, group)
@@ -274,12 +278,13 @@ class KvTransport:
         local_runs: Runs,
         timeout_s: float,
         peer_epoch: int | None,
+        leg: LegSpec | None,
     ) -> TransferState:
         with self._lock:
             self._check_open()
             self._link(peer, peer_epoch)
             t = self._engine.start(
-                role, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch
+                role, transfer_id, peer, remote_runs, local_runs, timeout_s, peer_epoch, leg
             )
             if t.state is TransferState.WAITING_PEER:
                 self._peers.request(peer)
@@ -318,11 +323,13 @@ class KvTransport:
         with self._lock:
             self._engine.fail(transfer_id, reason, detail)
 
-    def acknowledged(self, transfer_id: str) -> None:
-        """Target side: the initiator confirmed over the bus (AbortAck) that nothing of this
-        transfer is or will be in flight; same effect as its ``aborted`` notice."""
+    def acknowledged(self, transfer_id: str, sender: int | None = None, senders: int = 1) -> None:
+        """Target side: initiator rank ``sender`` (of ``senders`` writing here) confirmed over
+        the bus (AbortAck, KvFailed) that nothing of this transfer is or will be in flight from
+        it; same effect as its ``aborted`` notice. ``sender`` None: nothing can land from anyone
+        (a pull target whose reader is finished)."""
         with self._lock:
-            self._engine.acknowledged(transfer_id)
+            self._engine.acknowledged(transfer_id, sender, senders)
         self._changed()
 
     def poll(self) -> list[TransferEvent]:

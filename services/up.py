@@ -136,13 +136,16 @@ class Stack:
         suffix = "" if self.nats is not None else f"-{os.getpid()}"
         roles = [("prefill", i) for i in range(cfg.prefill)]
         roles += [("decode", i) for i in range(cfg.decode)]
-        for n, (role, i) in enumerate(roles):
-            # a worker gets cfg.tp cores (one per rank), in turn, wrapping around
-            mine = sorted({cores[(n * cfg.tp + k) % len(cores)] for k in range(cfg.tp)})
+        first = 0
+        for role, i in roles:
+            # a worker gets one core per rank, in turn, wrapping around
+            tp = cfg.tp_of(role)
+            mine = sorted({cores[(first + k) % len(cores)] for k in range(tp)})
+            first += tp
             name, cpus = f"{role}-{i}{suffix}", ",".join(map(str, mine))
             argv = [*cli, role, *common, "--id", name, "--cpus", cpus]
-            if cfg.tp > 1:
-                argv += ["--tp", str(cfg.tp)]
+            if tp > 1:
+                argv += ["--tp", str(tp)]
             if cfg.max_inflight:
                 argv += ["--max-inflight", str(cfg.max_inflight)]
             self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", mine))

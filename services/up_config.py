@@ -27,6 +27,8 @@ class UpConfig:
     prefill: int = 1
     decode: int = 1
     tp: int = 1  # tensor-parallel ranks of every worker
+    prefill_tp: int | None = None  # None: tp
+    decode_tp: int | None = None  # None: tp
     host: str = "127.0.0.1"
     port: int = 8000
     mode: TransferMode = TransferMode.PUSH
@@ -40,8 +42,19 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
             raise ConfigError("--prefill must be >= 0 and --decode >= 1")
-        if self.tp < 1:
-            raise ConfigError("--tp must be >= 1")
+        if min(self.tp, self.prefill_tp or 1, self.decode_tp or 1) < 1:
+            raise ConfigError("--tp, --prefill-tp and --decode-tp must be >= 1")
+        small, big = sorted((self.tp_of("prefill"), self.tp_of("decode")))
+        if big % small:
+            raise ConfigError(
+                f"--prefill-tp {self.tp_of('prefill')} and --decode-tp {self.tp_of('decode')}:"
+                " one must divide the other (KV heads are split or merged between them)"
+            )
+
+    def tp_of(self, role: str) -> int:
+        """Tensor-parallel ranks of a ``prefill`` or ``decode`` worker."""
+        own = self.prefill_tp if role == "prefill" else self.decode_tp
+        return own or self.tp
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
@@ -69,6 +82,21 @@ SETTINGS: tuple[Setting, ...] = (
         "tensor-parallel ranks of every worker, P and D alike (default 1); each rank runs in a"
         " process of its own on one of the worker's cores",
         "KVPUSH_UP_TP",
+    ),
+    Setting(
+        "prefill_tp",
+        ("--prefill-tp",),
+        int,
+        "tensor-parallel ranks of the prefill workers (default: --tp); P and D may differ when"
+        " one divides the other: the connector splits or merges KV heads between them",
+        "KVPUSH_UP_PREFILL_TP",
+    ),
+    Setting(
+        "decode_tp",
+        ("--decode-tp",),
+        int,
+        "tensor-parallel ranks of the decode workers (default: --tp)",
+        "KVPUSH_UP_DECODE_TP",
     ),
     *(GATEWAY[name] for name in ("host", "port", "mode")),  # passed on to the gateway
     Setting(

@@ -1,22 +1,16 @@
 """Decode side of the worker half: announce blocks, receive KV, fall back when it does not come.
 
 One ``Incoming`` per transfer. Push mode: ``expect`` the transfer, then announce the blocks for
-tokens [first_token, num_tokens) on ``kvpush.v1.blocks.<P>``; the NIXL completion notice makes
-the transport report DONE. Pull mode: wait for P's ``KvReady`` and READ P's blocks. A receive is
-reported to vLLM (``finished_recving``; plus ``failed_recving`` for a fallback) only on a
-quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
+tokens [first_token, num_tokens) on ``kvpush.v1.blocks.<P>``; the NIXL completion notices make
+the transport report DONE (one notice per P rank that writes here: k when P's TP is k times
+ours). Pull mode: wait for ``KvReady`` of every P rank that holds some of our KV heads and READ
+each one's blocks (one ``Leg`` per P rank; a P of smaller TP gives each D rank a slice).
+A receive is reported to vLLM (``finished_recving``; plus ``failed_recving`` for a fallback)
+only on a quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
 come), or P declared dead (its side channel stopped answering after an abort went unanswered).
 A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3).
 
-States of an ``Incoming`` (one transition method, ``advance``)::
-
-    WAITING --> RECEIVING --> ABORTING --> SETTLED
-       |            |                        ^
-       +------------+------------------------+
-
-WAITING: pull mode before P's KvReady (nothing posted yet). RECEIVING: push announced and
-expected, or the pull's READ posted. ABORTING: we aborted a started receive and wait for P's
-AbortAck, its notice or its death. SETTLED: a quiesced outcome (``outcome``); reported once.
+The per-transfer object and its states are ``incoming.Incoming``'s.
 
 Threading model: ``on_bus`` runs on the bus thread, ``on_work``/``collect`` on the engine
 thread; both take ``self.lock``. The liveness probe of a silent peer runs on a short-lived
@@ -25,20 +19,20 @@ thread and reports back through ``self.lock``.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.params import ConnectorSettings, DecodeWork, ReceiveKind
+from kvpush.connector.peering import TpMismatch, peer_ranks
 from kvpush.connector.sidechannel import TransportError, fetch_peer
 from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
+from kvpush.connector.vllm.incoming import Incoming, IncomingState
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
-from kvpush.connector.vllm.side import Rank, SideBase, check_transition
+from kvpush.connector.vllm.side import Legs, Rank, SideBase
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -51,53 +45,6 @@ from kvpush.schemas.messages import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class IncomingState(str, enum.Enum):
-    WAITING = "waiting"
-    RECEIVING = "receiving"
-    ABORTING = "aborting"
-    SETTLED = "settled"
-
-
-_I = IncomingState
-_ALLOWED: dict[IncomingState, frozenset[IncomingState]] = {
-    _I.WAITING: frozenset({_I.RECEIVING, _I.SETTLED}),
-    _I.RECEIVING: frozenset({_I.ABORTING, _I.SETTLED}),
-    _I.ABORTING: frozenset({_I.SETTLED}),
-    _I.SETTLED: frozenset(),
-}
-
-
-@dataclass(eq=False)
-class Incoming:
-    work: DecodeWork
-    deadline: float
-    peer: str | None = None  # P's side channel once known (pull: KvReady; push: its WRITE)
-    state: IncomingState = IncomingState.WAITING
-    abort_sent_at: float | None = None  # set when we aborted (ABORTING, or WAITING -> SETTLED)
-    probing: bool = False
-    outcome: TransferState | None = None  # set with SETTLED
-    failed: bool = False
-    request_ended: bool = False
-    waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
-
-    def advance(self, new: IncomingState, outcome: TransferState | None = None) -> None:
-        """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""
-        check_transition(_ALLOWED, self.state, new, f"incoming {self.work.params.transfer_id}")
-        self.state = new
-        if new is IncomingState.SETTLED:
-            self.outcome = outcome
-            self.failed = outcome is not TransferState.DONE
-
-    @property
-    def started(self) -> bool:
-        """Something was posted or expected: only P's word (or death) can end it now."""
-        return self.state in (IncomingState.RECEIVING, IncomingState.ABORTING)
-
-    @property
-    def settled(self) -> bool:
-        return self.state is IncomingState.SETTLED
 
 
 class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
@@ -113,6 +60,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         super().__init__(settings, transport, bus, runtime, rank)
         self.block_size = block_size
         self._probing: set[str] = set()  # suspected peers being probed
+        self._leg_of: dict[str, tuple[str, int]] = {}  # pull leg's transport id -> (tid, P rank)
         me = settings.worker_id
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
         bus.subscribe(subjects.kv_failed(me), self.on_bus)
@@ -139,20 +87,24 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
 
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
         tid = inc.work.params.transfer_id
+        pull = inc.work.kind is ReceiveKind.PULL
         if isinstance(message, KvReady):
             self.runtime.marks.record_timing(tid, message.timing)
-            if inc.work.kind is ReceiveKind.PULL and inc.state is IncomingState.WAITING:
+            receiving = inc.state in (IncomingState.WAITING, IncomingState.RECEIVING)
+            if pull and receiving and message.rank not in inc.legs.by_rank:
                 self._start_pull(inc, message)
-        elif isinstance(message, KvFailed):
+            return
+        if isinstance(message, KvFailed):
             log.warning(
                 "transfer %s: prefill reported %s: %s", tid, message.reason.value, message.detail
             )
-            if inc.started:
-                self.transport.acknowledged(tid)  # P is quiesced when it sends KvFailed
-            else:
-                self._settle(inc, TransferState.FAILED)
-        elif inc.started:
-            self.transport.acknowledged(tid)
+        senders = len(peer_ranks(self.rank.index, self.rank.size, message.tp))
+        if pull and inc.legs.by_rank and message.rank not in inc.legs.by_rank:
+            self._abort(inc, "a prefill rank gave up before its KvReady")  # stop our READs
+        elif inc.started:  # P's rank is quiesced when it sends KvFailed or AbortAck
+            self.transport.acknowledged(tid, message.rank, senders)
+        elif isinstance(message, KvFailed):  # pull before any KvReady: drop every P rank's side
+            self._give_up(inc, f"prefill rank {message.rank} failed")
         else:
             self._settle(inc, TransferState.ABORTED)
 
@@ -161,44 +113,52 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         first = w.first_token // self.block_size
         remote = runs_to_ids(ready.block_runs)[first:]
         if ready.compat_hash != self.transport.compat_hash:
-            log.warning(
-                "transfer %s: prefill's compatibility hash %s (TP %d) is not ours (%s, TP %d):"
-                " computing locally",
-                w.params.transfer_id,
-                ready.compat_hash,
-                ready.tp,
-                self.transport.compat_hash,
-                self.rank.size,
+            self._give_up(
+                inc,
+                f"prefill's compatibility hash {ready.compat_hash} is not ours"
+                f" ({self.transport.compat_hash})",
             )
-            self._tell_prefill(w, "incompatible: decode computes this prompt locally")
-            self._settle(inc, TransferState.FAILED)
             return
         if ready.num_tokens != w.num_tokens or len(remote) != len(w.block_ids):
-            log.warning(
-                "transfer %s: KvReady does not fit (%d tokens, %d blocks; want %d, %d)",
-                w.params.transfer_id,
-                ready.num_tokens,
-                len(remote),
-                w.num_tokens,
-                len(w.block_ids),
+            self._give_up(
+                inc,
+                f"KvReady does not fit ({ready.num_tokens} tokens, {len(remote)} blocks;"
+                f" want {w.num_tokens}, {len(w.block_ids)})",
             )
-            self._tell_prefill(w, "KvReady does not fit: decode computes this prompt locally")
-            self._settle(inc, TransferState.FAILED)
             return
-        inc.peer = ready.side_channel
-        inc.advance(IncomingState.RECEIVING)
+        try:
+            leg = inc.legs.add(ready.rank, ready.tp, self.transport.config.compat.layout)
+        except TpMismatch as exc:
+            self._give_up(inc, f"prefill runs tensor parallel {ready.tp}: {exc}")
+            return
+        inc.peer = inc.peer or ready.side_channel
+        if inc.state is IncomingState.WAITING:
+            inc.advance(IncomingState.RECEIVING)
         try:
             self.transport.start_pull(
-                w.params.transfer_id,
+                leg.transport_id,
                 ready.side_channel,
                 ids_to_runs(remote),
                 ids_to_runs(w.block_ids),
                 max(0.05, inc.deadline - time.monotonic()),
                 ready.prefill_epoch,
+                leg=leg.spec,
             )
         except Exception as exc:  # nothing was posted: no READ can land later
-            log.warning("transfer %s: pull failed to start: %s", w.params.transfer_id, exc)
-            self._settle(inc, TransferState.FAILED)
+            del inc.legs.by_rank[ready.rank]
+            self._give_up(inc, f"pull failed to start: {exc}")
+            return
+        self._leg_of[leg.transport_id] = (w.params.transfer_id, ready.rank)
+
+    def _give_up(self, inc: Incoming, why: str) -> None:
+        """Pull cannot go on: compute locally. Nothing posted yet: settle now; else stop the
+        READs already posted (settled once they are quiet)."""
+        log.warning("transfer %s: %s: computing locally", inc.work.params.transfer_id, why)
+        if inc.legs.by_rank:
+            self._abort(inc, why)
+            return
+        self._tell_prefill(inc.work, f"{why}: decode computes this prompt locally")
+        self._settle(inc, TransferState.FAILED)
 
     # ---- engine thread ----------------------------------------------------------------------
     def on_work(self, work: list[DecodeWork]) -> None:
@@ -219,7 +179,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
         peer = item.params.prefill_address_of(self.rank.index, self.rank.size)
-        inc = Incoming(item, time.monotonic() + timeout, peer=peer)
+        inc = Incoming(item, time.monotonic() + timeout, Legs(tid, self.rank), peer=peer)
         self._track(tid, inc)
         started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
@@ -272,7 +232,13 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
         if inc.state is IncomingState.RECEIVING:
             inc.advance(IncomingState.ABORTING)
-            self.transport.abort(inc.work.params.transfer_id, reason)
+            if inc.work.kind is ReceiveKind.PULL:
+                for leg in inc.legs.by_rank.values():
+                    if leg.event is None:
+                        self.transport.abort(leg.transport_id, reason)
+                self._maybe_settle_pull(inc)
+            else:
+                self.transport.abort(inc.work.params.transfer_id, reason)
             self._tell_prefill(inc.work, reason)
         else:  # pull not started: no READ will be posted; P drops its blocks on the abort
             self._tell_prefill(inc.work, reason)
@@ -309,6 +275,19 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
             )
         since_ns = inc.waiting_since_ns
         emit_span("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
+
+    def _maybe_settle_pull(self, inc: Incoming) -> None:
+        """Pull: settle once every READ is quiet, and either all of them ran or we aborted."""
+        legs = inc.legs
+        if inc.settled or not legs.quiet or not legs.by_rank:
+            return
+        aborting = inc.state is IncomingState.ABORTING
+        if not (legs.complete or aborting):
+            return
+        state = legs.outcome()
+        if aborting and not legs.complete:
+            state = TransferState.ABORTED
+        self._settle(inc, state, legs.summary())
 
     def _peer_alive(self, address: str) -> bool:
         """Does the side channel at ``address`` still answer (1 s)? Runs off the engine thread."""
@@ -368,17 +347,28 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         with self.lock:
             self._probe_suspects()
             for event in events:
-                inc = self._by_tid.get(event.transfer_id)
+                tid, p_rank = self._leg_of.get(event.transfer_id, (event.transfer_id, -1))
+                inc = self._by_tid.get(tid)
                 if inc is None:
                     continue
-                if event.quiesced:
+                leg = inc.legs.by_rank.get(p_rank)
+                if event.quiesced and leg is not None:
+                    leg.event = event
+                    siblings = not (inc.legs.complete and inc.legs.quiet)  # in flight or to come
+                    if event.state is not TransferState.DONE and siblings:
+                        self._abort(inc, f"a read of prefill rank {p_rank} ended {event.state}")
+                    self._maybe_settle_pull(inc)
+                elif event.quiesced:
                     self._settle(inc, event.state, event)
                 elif event.state in (TransferState.EXPIRED, TransferState.FAILED):
                     self._abort(inc, f"decode gave up: {event.state.value}")
             now = time.monotonic()
             for tid, inc in list(self._by_tid.items()):
-                if inc.state is IncomingState.WAITING and now > inc.deadline:
+                late = now > inc.deadline
+                if late and inc.state is IncomingState.WAITING:
                     self._abort(inc, "no KvReady from prefill in time")
+                elif late and inc.legs.by_rank and not inc.legs.complete:
+                    self._abort(inc, "no KvReady from every prefill rank in time")
                 # P silent after our abort: probe it. A peer we cannot name keeps the blocks
                 # (rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
                 if (
@@ -398,4 +388,6 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 else:
                     finished.add(req_id)
                 self._forget(tid)
+                for leg in inc.legs.by_rank.values():
+                    self._leg_of.pop(leg.transport_id, None)
         return finished, failed

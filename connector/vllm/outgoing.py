@@ -7,11 +7,15 @@ States (one transition method, ``Outgoing.advance``)::
        +------------+----------------------+   (pull: WAITING --> POSTED at KvReady)
 
 WAITING: computing, or waiting for D's announcement (push) / the last layer (pull). STREAMING:
-the push started, each layer is written as soon as it is computed. POSTED: every layer posted
-and the completion notice asked for (push), or KvReady sent and D READs (pull). SETTLED: a
-quiesced outcome (``outcome``) is known and D was told; the blocks go once the request ended.
+the push started (to at least one D rank: ``legs``), each layer is written as soon as it is
+computed. POSTED: every layer posted to every D rank and the completion notices asked for
+(push), or KvReady sent and D READs (pull). SETTLED: a quiesced outcome (``outcome``) is known
+and D was told; the blocks go once the request ended. ``stopping`` (an abort or a failure after
+the push started) keeps the state and starts no further leg: the outcome follows once every
+started leg is quiesced.
 
-``emit_settled_spans`` makes P's spans of a settled transfer after the fact.
+``outcome_message`` is what P tells D when a transfer settles; ``emit_settled_spans`` makes P's
+spans of a settled transfer after the fact.
 
 Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock.
 """
@@ -24,8 +28,18 @@ from dataclasses import dataclass, field
 from kvpush.connector.params import TransferParams
 from kvpush.connector.tracing import emit_span, now_ns, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
-from kvpush.connector.vllm.side import check_transition
-from kvpush.schemas.messages import BlocksAnnounced, Timing, TransferMode
+from kvpush.connector.vllm.side import Legs, check_transition
+from kvpush.schemas import subjects
+from kvpush.schemas.codec import BusMessage
+from kvpush.schemas.messages import (
+    AbortAck,
+    BlocksAnnounced,
+    FailReason,
+    KvFailed,
+    KvPushed,
+    Timing,
+    TransferMode,
+)
 
 
 class OutgoingState(str, enum.Enum):
@@ -51,9 +65,11 @@ class Outgoing:
     block_ids: list[int]
     num_tokens: int
     deadline: float
+    legs: Legs
     completing: bool = False  # the current step computes the last prompt token
     computed: set[int] = field(default_factory=set)  # layers saved in the completing step
-    announcement: BlocksAnnounced | None = None
+    announcements: dict[int, BlocksAnnounced] = field(default_factory=dict)  # by D rank
+    stopping: tuple[TransferState, FailReason, str] | None = None  # aborted/failed mid-push
     state: OutgoingState = OutgoingState.WAITING
     outcome: TransferState | None = None  # set with SETTLED: blocks may be released
     req_finished: bool = False
@@ -78,6 +94,51 @@ class Outgoing:
             prefill_end=self.compute_end_ns,
             kv_sent=kv_sent_ns,
         )
+
+
+def outcome_message(
+    out: Outgoing,
+    state: TransferState,
+    reason: FailReason | None,
+    detail: str,
+    event: TransferEvent | None,
+    prefill_id: str,
+    rank: int,
+    tp: int,
+) -> tuple[str, BusMessage] | None:
+    """(subject, message) P's rank ``rank`` of ``tp`` publishes for a settled transfer: KvPushed
+    (push done), AbortAck, KvFailed; None for a finished pull (D's READ notice said it all)."""
+    p, tid = out.params, out.params.transfer_id
+    if state is TransferState.DONE:
+        if p.mode is not TransferMode.PUSH or event is None:
+            return None
+        pushed = KvPushed(
+            transfer_id=tid,
+            prefill_id=prefill_id,
+            decode_id=p.decode_id,
+            bytes=event.bytes,
+            descriptors=event.descriptors,
+            num_tokens=out.num_tokens,
+            push_ms=event.elapsed_ms,
+            layers=event.layers,
+            timing=out.timing(event.ended_ns),
+            rank=rank,
+            tp=tp,
+        )
+        return subjects.kv_done(p.decode_id), pushed
+    if state is TransferState.ABORTED:
+        ack = AbortAck(transfer_id=tid, prefill_id=prefill_id, rank=rank, tp=tp)
+        return subjects.abort(p.decode_id), ack
+    failed = KvFailed(
+        transfer_id=tid,
+        prefill_id=prefill_id,
+        decode_id=p.decode_id,
+        reason=reason or FailReason.TRANSFER,
+        detail=detail[:1000],
+        rank=rank,
+        tp=tp,
+    )
+    return subjects.kv_failed(p.decode_id), failed
 
 
 def emit_settled_spans(

@@ -1,12 +1,17 @@
 """Prefill side of the worker half: push a request's KV into the blocks decode announced.
 
-One ``Outgoing`` per transfer. Push mode: the announcement (``BlocksAnnounced``) may come before
-the last prefill step (then each layer is WRITten as soon as ``save_kv_layer`` sees it: the push
-overlaps the remaining layers) or after it (then every layer is posted at once: delayed free
-keeps the blocks). Pull mode: once every layer is computed P announces its blocks (``KvReady``)
-and expects D's READ. Either way the blocks are released to vLLM (``finished_sending``) only on
-a quiesced terminal transport event (DESIGN §4 rule 4), after the bus heard the outcome:
-KvPushed, KvFailed or AbortAck.
+One ``Outgoing`` per transfer, with one push (``Leg``) per D rank that holds some of this rank's
+KV heads: the D rank of the same index at an equal TP, k of them when D's TP is k times ours
+(each gets its slice of every block); several P ranks write into one D rank when P's TP is the
+larger (each its whole block into its slice of D's). Every D rank announces its own blocks.
+
+Push mode: an announcement (``BlocksAnnounced``) may come before the last prefill step (then
+each layer is WRITten as soon as ``save_kv_layer`` sees it: the push overlaps the remaining
+layers) or after it (then every layer is posted at once: delayed free keeps the blocks). Pull
+mode: once every layer is computed P announces its blocks (``KvReady``) and expects the READs
+of every D rank that holds its heads. Either way the blocks are released to vLLM
+(``finished_sending``) only on quiesced terminal transport events (DESIGN §4 rule 4), after the
+bus heard the outcome: KvPushed, KvFailed or AbortAck.
 
 The per-transfer object and its states are ``outgoing.Outgoing``'s.
 
@@ -21,6 +26,7 @@ import time
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.params import ConnectorSettings, PrefillWork, TransferParams
+from kvpush.connector.peering import TpMismatch
 from kvpush.connector.tracing import emit_span, now_ns, trace_parent
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
@@ -28,19 +34,17 @@ from kvpush.connector.vllm.outgoing import (
     Outgoing,
     OutgoingState,
     emit_settled_spans,
+    outcome_message,
     span_attrs,
 )
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
-from kvpush.connector.vllm.side import Rank, SideBase
+from kvpush.connector.vllm.side import Leg, Legs, Rank, SideBase
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
     Abort,
-    AbortAck,
     BlocksAnnounced,
     FailReason,
-    KvFailed,
-    KvPushed,
     KvPushing,
     KvReady,
     TransferMode,
@@ -64,6 +68,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         self.num_layers = num_layers
         self.block_size = block_size
         self._tid_of: dict[str, str] = {}  # req_id -> transfer_id
+        self._leg_of: dict[str, tuple[str, int]] = {}  # leg's transport id -> (tid, D rank)
         self._completing: list[Outgoing] = []
         bus.subscribe(subjects.blocks(settings.worker_id), self.on_bus)
         bus.subscribe(subjects.abort(settings.worker_id), self.on_bus)
@@ -81,8 +86,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     def _apply(self, out: Outgoing, message: BlocksAnnounced | Abort) -> None:
         if isinstance(message, Abort):
             self._abort(out, message.reason)
-        elif out.announcement is None and not out.settled:
-            out.announcement = message
+        elif message.rank not in out.announcements and not out.settled:
+            out.announcements[message.rank] = message
             self._maybe_start(out)
 
     # ---- engine thread ----------------------------------------------------------------------
@@ -99,6 +104,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         item.block_ids,
                         item.num_tokens,
                         time.monotonic() + item.params.timeout_s(self.settings.transfer_timeout_s),
+                        Legs(tid, self.rank),
                         compute_start_ns=now_ns(),
                     )
                     self._track(tid, out)
@@ -124,80 +130,132 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             for out in self._completing:
                 out.computed.add(layer)
                 if out.state is OutgoingState.STREAMING:  # push mode only
-                    posted |= self.transport.push_layers(out.params.transfer_id, [layer])
+                    for leg in out.legs.by_rank.values():
+                        posted |= self.transport.push_layers(leg.transport_id, [layer])
                 self._maybe_finish(out)
         return posted
 
     def _maybe_start(self, out: Outgoing) -> None:
-        if out.state is not OutgoingState.WAITING:
+        """Start a push to every D rank that announced (once this step completes the prompt);
+        pull: announce once every layer is computed."""
+        if out.settled or out.stopping is not None:
             return
-        tid = out.params.transfer_id
         if out.params.mode is TransferMode.PULL:
-            if len(out.computed) == self.num_layers:
+            if out.state is OutgoingState.WAITING and len(out.computed) == self.num_layers:
                 self._announce_ready(out)
             return
-        ann = out.announcement
-        if ann is None or not out.completing:
+        if not out.completing:
             return
+        for rank, ann in sorted(out.announcements.items()):
+            if rank not in out.legs.by_rank and out.stopping is None and not out.settled:
+                self._start_leg(out, ann)
+
+    def _start_leg(self, out: Outgoing, ann: BlocksAnnounced) -> None:
+        tid = out.params.transfer_id
         if ann.compat_hash != self.transport.compat_hash:  # refused before any WRITE
-            self._fail(out, FailReason.INCOMPATIBLE, self._incompatible(ann.compat_hash, ann.tp))
+            self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, self._incompatible(ann))
             return
         first = ann.first_token // self.block_size
         last = -(-out.num_tokens // self.block_size)
         local = out.block_ids[first:last]
         if ann.num_tokens != out.num_tokens or len(local) != len(runs_to_ids(ann.block_runs)):
-            self._fail(
-                out,
-                FailReason.INCOMPATIBLE,
+            detail = (
                 f"decode announced {ann.num_tokens} tokens / {len(runs_to_ids(ann.block_runs))}"
-                f" blocks; prefill has {out.num_tokens} tokens / {len(local)} blocks",
+                f" blocks; prefill has {out.num_tokens} tokens / {len(local)} blocks"
             )
+            self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, detail)
+            return
+        try:
+            leg = out.legs.add(ann.rank, ann.tp, self.transport.config.compat.layout)
+        except TpMismatch as exc:
+            detail = (
+                f"decode runs tensor parallel {ann.tp}, prefill {self.rank.size}: {exc};"
+                " decode computes the prompt itself"
+            )
+            self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, detail)
             return
         remaining = max(0.05, out.deadline - time.monotonic())
         try:
             self.transport.start_push(
-                tid,
+                leg.transport_id,
                 ann.side_channel,
                 ann.block_runs,
                 ids_to_runs(local),
                 remaining,
                 ann.decode_epoch,
+                leg.spec,
             )
         except Exception as exc:  # handshake or table full: tell D at once (rule 5)
-            self._fail(out, FailReason.HANDSHAKE, str(exc)[:300])
+            del out.legs.by_rank[ann.rank]
+            self._stop(out, TransferState.FAILED, FailReason.HANDSHAKE, str(exc)[:300])
             return
-        out.advance(OutgoingState.STREAMING)
-        hint = KvPushing(
-            transfer_id=tid,
-            prefill_id=self.settings.worker_id,
-            decode_id=out.params.decode_id,
-            rank=self.rank.index,
-            tp=self.rank.size,
-        )
-        self.bus.publish(subjects.kv_done(out.params.decode_id), hint, span=False)  # no trace
+        self._leg_of[leg.transport_id] = (tid, ann.rank)
+        if out.state is OutgoingState.WAITING:
+            out.advance(OutgoingState.STREAMING)
+            hint = KvPushing(
+                transfer_id=tid,
+                prefill_id=self.settings.worker_id,
+                decode_id=out.params.decode_id,
+                rank=self.rank.index,
+                tp=self.rank.size,
+            )
+            self.bus.publish(subjects.kv_done(out.params.decode_id), hint, span=False)  # no trace
         if out.computed:
-            self.transport.push_layers(tid, sorted(out.computed))
+            self.transport.push_layers(leg.transport_id, sorted(out.computed))
         self._maybe_finish(out)
 
-    def _incompatible(self, theirs: str, their_tp: int) -> str:
-        if their_tp != self.rank.size:
-            return (
-                f"decode runs tensor parallel {their_tp}, prefill {self.rank.size}: a different"
-                " TP on the two sides is not supported yet; decode computes the prompt itself"
-            )
+    def _incompatible(self, ann: BlocksAnnounced) -> str:
         return (
-            f"decode's compatibility hash {theirs} is not ours ({self.transport.compat_hash}):"
-            " another model, dtype, block size or layout"
+            f"decode's compatibility hash {ann.compat_hash} is not ours"
+            f" ({self.transport.compat_hash}): another model, dtype, block size or layout"
         )
+
+    def _stop(self, out: Outgoing, state: TransferState, reason: FailReason, detail: str) -> None:
+        """Start no further leg; abort the started ones if ``state`` is ABORTED (a failure
+        lets them finish: their D ranks may use what landed). Settles once they are quiet."""
+        if not out.legs.by_rank:
+            if state is TransferState.ABORTED:
+                self._settle(out, state)
+            else:
+                self._fail(out, reason, detail)
+            return
+        if out.stopping is None or state is TransferState.ABORTED:
+            out.stopping = (state, reason, detail)
+        if state is TransferState.ABORTED:
+            for leg in out.legs.by_rank.values():
+                if leg.event is None:
+                    self.transport.abort(leg.transport_id, detail)  # ack once quiesced
+        self._maybe_finish(out)
+        self._maybe_settle(out)
 
     def _maybe_finish(self, out: Outgoing) -> None:
         if not out.compute_end_ns and len(out.computed) == self.num_layers:
             out.compute_end_ns = now_ns()
         if out.state is OutgoingState.STREAMING and len(out.computed) == self.num_layers:
-            out.advance(OutgoingState.POSTED)
-            self.transport.finish(out.params.transfer_id)
+            for leg in out.legs.by_rank.values():
+                self._finish_leg(leg)
+            if out.legs.complete or out.stopping is not None:
+                out.advance(OutgoingState.POSTED)
         elif out.params.mode is TransferMode.PULL and out.state is OutgoingState.WAITING:
             self._maybe_start(out)
+
+    def _finish_leg(self, leg: Leg) -> None:
+        if not leg.finished:
+            leg.finished = True
+            self.transport.finish(leg.transport_id)
+
+    def _maybe_settle(self, out: Outgoing) -> None:
+        """Push: settle once every leg that will ever run is quiesced."""
+        pushing = out.state in (OutgoingState.STREAMING, OutgoingState.POSTED)
+        if out.settled or not pushing or not out.legs.quiet:
+            return
+        if out.stopping is None and not out.legs.complete:
+            return
+        summary = out.legs.summary()
+        state, reason, detail = out.stopping or (out.legs.outcome(), None, "")
+        if summary is not None:
+            reason, detail = reason or summary.reason, detail or summary.detail
+        self._settle(out, state, reason, detail, summary)
 
     def _announce_ready(self, out: Outgoing) -> None:
         tid = out.params.transfer_id
@@ -227,10 +285,11 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     def _abort(self, out: Outgoing, detail: str) -> None:
         if out.settled:
             return
-        if out.state is not OutgoingState.WAITING:
+        if out.params.mode is TransferMode.PUSH:
+            self._stop(out, TransferState.ABORTED, FailReason.ABORTED, detail)
+        elif out.state is not OutgoingState.WAITING:
             self.transport.abort(out.params.transfer_id, detail)  # ack once quiesced
-            if out.params.mode is TransferMode.PULL:
-                self._release_read_blocks(out)
+            self._release_read_blocks(out)
         else:
             self._settle(out, TransferState.ABORTED)
 
@@ -261,49 +320,21 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         if out.settled:
             return
         out.advance(OutgoingState.SETTLED, state)
-        tid, p = out.params.transfer_id, out.params
-        me = self.settings.worker_id
         settled_ns = now_ns()
-        if state is TransferState.DONE:
-            if p.mode is TransferMode.PUSH and event is not None:
-                self._publish(
-                    p,
-                    subjects.kv_done(p.decode_id),
-                    KvPushed(
-                        transfer_id=tid,
-                        prefill_id=me,
-                        decode_id=p.decode_id,
-                        bytes=event.bytes,
-                        descriptors=event.descriptors,
-                        num_tokens=out.num_tokens,
-                        push_ms=event.elapsed_ms,
-                        layers=event.layers,
-                        timing=out.timing(event.ended_ns),
-                        rank=self.rank.index,
-                        tp=self.rank.size,
-                    ),
-                )
-                emit_span("kv.push.done", p.traceparent, settled_ns, now_ns(), span_attrs(out))
-        elif state is TransferState.ABORTED:
-            self._publish(
-                p,
-                subjects.abort(p.decode_id),
-                AbortAck(transfer_id=tid, prefill_id=me, rank=self.rank.index, tp=self.rank.size),
-            )
-        else:
-            self._publish(
-                p,
-                subjects.kv_failed(p.decode_id),
-                KvFailed(
-                    transfer_id=tid,
-                    prefill_id=me,
-                    decode_id=p.decode_id,
-                    reason=reason or FailReason.TRANSFER,
-                    detail=detail[:1000],
-                    rank=self.rank.index,
-                    tp=self.rank.size,
-                ),
-            )
+        said = outcome_message(
+            out,
+            state,
+            reason,
+            detail,
+            event,
+            self.settings.worker_id,
+            self.rank.index,
+            self.rank.size,
+        )
+        if said is not None:
+            self._publish(out.params, *said)
+        if said is not None and state is TransferState.DONE:
+            emit_span("kv.push.done", out.params.traceparent, settled_ns, now_ns(), span_attrs(out))
         emit_settled_spans(out, state, event, detail)
 
     def _publish(self, params: TransferParams, subject: str, message: BusMessage) -> None:
@@ -313,14 +344,24 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         """Apply transport events and finished requests; return req ids whose blocks may go."""
         with self.lock:
             for event in events:
-                out = self._by_tid.get(event.transfer_id)
+                tid, d_rank = self._leg_of.get(event.transfer_id, (event.transfer_id, -1))
+                out = self._by_tid.get(tid)
                 if out is None:
                     continue
-                if not event.quiesced:
-                    if out.params.mode is TransferMode.PULL:
+                if out.params.mode is TransferMode.PULL:
+                    if not event.quiesced:
                         self._release_read_blocks(out)
+                    else:
+                        self._settle(out, event.state, event.reason, event.detail, event)
                     continue
-                self._settle(out, event.state, event.reason, event.detail, event)
+                leg = out.legs.by_rank.get(d_rank)
+                if leg is None or not event.quiesced:
+                    continue
+                leg.event = event
+                if event.state is not TransferState.DONE and out.stopping is None:
+                    why = event.reason or FailReason.TRANSFER
+                    out.stopping = (event.state, why, event.detail)
+                self._maybe_settle(out)
             now = time.monotonic()
             for req_id in finished_req_ids:
                 tid = self._tid_of.get(req_id)
@@ -333,10 +374,15 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         self._fail(out, FailReason.PREFILL, "request ended before its prefill")
                     elif now > out.deadline:
                         self._fail(out, FailReason.DEADLINE, "no announcement from decode in time")
+                elif out.stopping is None and not out.legs.complete and now > out.deadline:
+                    missing = "no announcement from every decode rank in time"
+                    self._stop(out, TransferState.FAILED, FailReason.DEADLINE, missing)
                 elif out.state is OutgoingState.STREAMING and out.req_finished:
                     self._abort(out, "request ended before its prefill")
                 if out.settled and out.req_finished:
                     released.add(out.req_id)
                     self._forget(tid)
                     self._tid_of.pop(out.req_id, None)
+                    for leg in out.legs.by_rank.values():
+                        self._leg_of.pop(leg.transport_id, None)
             return released

@@ -1,12 +1,13 @@
 """What the prefill and the decode side of the worker half share: the transfers in flight by id,
 the bus messages that arrived before their transfer (bounded), this half's TP rank (``Rank``: a
-side takes only the messages of peer ranks whose KV heads overlap its own, ``mine``), and the
-checked state transition of their per-transfer objects.
+side takes only the messages of peer ranks whose KV heads overlap its own, ``mine``), an
+initiator's transfers with each peer rank (``Legs``: one with an equal TP, several when the peer
+runs a larger TP) and the checked state transition of their per-transfer objects.
 
-``SideBase._deliver`` is the bus-thread entry: a message for a known transfer is applied, one for
-an unknown transfer is kept in ``_early`` (at most ``max_pending_announcements``, oldest dropped)
-until ``_track`` registers the transfer and ``_apply_early`` hands it over. ``_forget`` ends the
-tracking.
+``SideBase._deliver`` is the bus-thread entry: a message for a known transfer is applied, those
+for an unknown transfer are kept in ``_early`` (at most ``max_pending_announcements`` transfers,
+oldest dropped; a few messages each) until ``_track`` registers the transfer and
+``_apply_early`` hands them over. ``_forget`` ends the tracking.
 
 Threading model: every method is called with ``self.lock`` held (an RLock: the bus thread and
 the engine thread both enter).
@@ -21,11 +22,14 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvpush.connector.bounded import BoundedDict
+from kvpush.connector.engine import LegSpec
 from kvpush.connector.params import ConnectorSettings
-from kvpush.connector.transfer import InvalidTransition
+from kvpush.connector.peering import peer_ranks, tp_slices
+from kvpush.connector.transfer import InvalidTransition, TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 
+MAX_EARLY_PER_TRANSFER = 64  # messages kept for a transfer not known yet (peer ranks x kinds)
 Entry = TypeVar("Entry")
 Message = TypeVar("Message")
 State = TypeVar("State", bound=enum.Enum)
@@ -45,6 +49,80 @@ class Rank:
         return (
             self.index * size < (index + 1) * self.size
             and index * self.size < (self.index + 1) * size
+        )
+
+
+@dataclass(eq=False)
+class Leg:
+    """One initiator transfer of a request, with one rank of the peer."""
+
+    peer_rank: int
+    transport_id: str  # the id in our transport (the request's transfer id unless several)
+    spec: LegSpec
+    finished: bool = False  # every layer posted and ``finish`` called (push)
+    event: TransferEvent | None = None  # its quiesced terminal event
+
+
+class Legs:
+    """The initiator transfers of one request, one per peer rank that holds some of our KV
+    heads: one with an equal TP (id = the transfer id), k when the peer's TP is k times ours
+    (P of 1 pushing into D of 2; D of 1 reading from P of 2). Each reaches its target under
+    the request's transfer id; the request is done when every expected leg is."""
+
+    def __init__(self, transfer_id: str, rank: Rank) -> None:
+        self.transfer_id = transfer_id
+        self.rank = rank
+        self.expected: int | None = None  # known with the first peer rank's message
+        self.by_rank: dict[int, Leg] = {}
+
+    def add(self, peer_rank: int, peer_tp: int, layout: str) -> Leg:
+        """The leg to ``peer_rank`` of ``peer_tp`` (``TpMismatch`` if the pair cannot map)."""
+        ours, theirs = self.rank, peer_ranks(peer_rank, peer_tp, self.rank.size)
+        parts = tp_slices(ours.index, ours.size, peer_rank, peer_tp, layout)
+        self.expected = len(peer_ranks(ours.index, ours.size, peer_tp))
+        tid = self.transfer_id if self.expected == 1 else f"{self.transfer_id}>{peer_rank}"
+        spec = LegSpec(self.transfer_id, parts, ours.index, len(theirs))
+        leg = self.by_rank[peer_rank] = Leg(peer_rank, tid, spec)
+        return leg
+
+    @property
+    def complete(self) -> bool:
+        """Every expected leg was started."""
+        return self.expected is not None and len(self.by_rank) == self.expected
+
+    @property
+    def quiet(self) -> bool:
+        """Every started leg reported its quiesced end (nothing of ours in flight)."""
+        return all(leg.event is not None for leg in self.by_rank.values())
+
+    def outcome(self) -> TransferState:
+        """DONE when every expected leg is; else the first leg's non-DONE state (or FAILED)."""
+        states = [leg.event.state for leg in self.by_rank.values() if leg.event is not None]
+        bad = [s for s in states if s is not TransferState.DONE]
+        if bad:
+            return bad[0]
+        return TransferState.DONE if self.complete and self.quiet else TransferState.FAILED
+
+    def summary(self) -> TransferEvent | None:
+        """One event for the whole request: the legs' bytes and descriptors summed, the span
+        from the first start to the last end (the last leg's per-layer timings)."""
+        events = [leg.event for leg in self.by_rank.values() if leg.event is not None]
+        if not events:
+            return None
+        last = max(events, key=lambda e: e.ended_ns)
+        return TransferEvent(
+            transfer_id=self.transfer_id,
+            role=last.role,
+            state=self.outcome(),
+            quiesced=True,
+            reason=next((e.reason for e in events if e.reason is not None), None),
+            detail=next((e.detail for e in events if e.detail), ""),
+            bytes=sum(e.bytes for e in events),
+            descriptors=sum(e.descriptors for e in events),
+            elapsed_ms=max(e.elapsed_ms for e in events),
+            layers=last.layers,
+            started_ns=min(e.started_ns for e in events),
+            ended_ns=last.ended_ns,
         )
 
 
@@ -72,7 +150,10 @@ class SideBase(Generic[Entry, Message]):
         self.runtime = runtime
         self.lock = threading.RLock()
         self._by_tid: dict[str, Entry] = {}
-        self._early: BoundedDict[str, Message] = BoundedDict(settings.max_pending_announcements)
+        # by transfer: the messages of each peer rank (several when the peer's TP is larger)
+        self._early: BoundedDict[str, list[Message]] = BoundedDict(
+            settings.max_pending_announcements
+        )
 
     def mine(self, message: object) -> bool:
         """Is ``message`` (from a peer rank) for this rank? (``rank`` None: every rank.)"""
@@ -86,7 +167,9 @@ class SideBase(Generic[Entry, Message]):
         """Apply ``message`` to its transfer; False (kept for later) when it is not known yet."""
         entry = self._by_tid.get(transfer_id)
         if entry is None:
-            self._early[transfer_id] = message
+            early = self._early.get(transfer_id) or []
+            if len(early) < MAX_EARLY_PER_TRANSFER:
+                self._early[transfer_id] = [*early, message]
             return False
         self._apply(entry, message)
         return True
@@ -98,10 +181,9 @@ class SideBase(Generic[Entry, Message]):
             self.runtime.wake_at(deadline)
 
     def _apply_early(self, transfer_id: str, entry: Entry) -> None:
-        """Hand ``entry`` the message that came before it, if one did."""
-        early = self._early.pop(transfer_id, None)
-        if early is not None:
-            self._apply(entry, early)
+        """Hand ``entry`` the messages that came before it, in arrival order."""
+        for message in self._early.pop(transfer_id, None) or []:
+            self._apply(entry, message)
 
     def _forget(self, transfer_id: str) -> None:
         del self._by_tid[transfer_id]

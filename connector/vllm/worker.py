@@ -25,8 +25,9 @@ import queue
 from typing import Any
 
 from kvpush.connector.bus import BusConfig
-from kvpush.connector.layout import CompatInfo, pool_layout
+from kvpush.connector.layout import pool_layout
 from kvpush.connector.params import ConnectorSettings
+from kvpush.connector.peering import VLLM_CPU_LAYOUT, CompatInfo
 from kvpush.connector.poller import Poller
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
@@ -40,7 +41,6 @@ from kvpush.schemas.messages import Timing, WorkerRole
 
 log = logging.getLogger(__name__)
 SIDE_CHANNEL_TOKEN_ENV = "KVPUSH_SIDE_CHANNEL_TOKEN"  # shared secret of every P and D
-LAYOUT = "vllm-paged-LBHNC"  # one [blocks, kv_heads, block_size, 2*head_dim] tensor per layer
 
 
 class WorkerHalf:
@@ -77,8 +77,7 @@ class WorkerHalf:
             model=self.model_id,
             dtype=self.dtype,
             block_size=self.block_size,
-            layout=LAYOUT,
-            tp=self.tp_size,
+            layout=VLLM_CPU_LAYOUT,
         )
         s = self.settings
         rank_id = s.worker_id if self.tp_size == 1 else f"{s.worker_id}-tp{self.rank}"

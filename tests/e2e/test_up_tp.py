@@ -1,6 +1,7 @@
 """``kvpush up --tp 2``: every worker runs two tensor-parallel ranks (vLLM's multiprocess
 executor, a process and a connector worker half per rank), and the stack answers over HTTP
-exactly as it does in mode local, with the KV moved rank to rank by push and by pull.
+exactly as it does in mode local, with the KV moved rank to rank by push and by pull. Then
+``--prefill-tp 2 --decode-tp 1``: both P ranks write their KV heads into halves of D's blocks.
 
 Runs after test_openai_e2e.py has stopped the session's stack (its last test), so only this
 stack's engines share the box's two cores.
@@ -20,28 +21,41 @@ from tests.integration.worker_proc import Observer
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def tp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
-    with run_up(tmp_path_factory.mktemp("kvpush-up-tp"), "--tp", "2") as stack:
-        yield stack
+STACKS = {"tp2": ("--tp", "2"), "p2-d1": ("--prefill-tp", "2", "--decode-tp", "1")}
+RANKS = {"tp2": {"prefill": 2, "decode": 2}, "p2-d1": {"prefill": 2, "decode": 1}}
 
 
-async def test_every_worker_announces_a_side_channel_per_rank(tp_stack: UpStack) -> None:
-    observer = await Observer.connect(tp_stack.nats_url, "gw-tp-observer")
+@pytest.fixture(scope="module", params=list(STACKS))
+def tp_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[UpStack, dict[str, int]]]:
+    """A stack and its ranks per role."""
+    name = request.param
+    with run_up(tmp_path_factory.mktemp(f"kvpush-up-{name}"), *STACKS[name]) as stack:
+        yield stack, RANKS[name]
+
+
+async def test_every_worker_announces_a_side_channel_per_rank(
+    tp_stack: tuple[UpStack, dict[str, int]],
+) -> None:
+    stack, ranks = tp_stack
+    observer = await Observer.connect(stack.nats_url, "gw-tp-observer")
     try:
         await observer.wait_for(lambda: len(observer.beats) >= 2, 30.0, "both workers' beats")
         for worker_id, beats in observer.beats.items():
-            channels = beats[-1].side_channels
-            assert len(set(channels)) == 2, (worker_id, channels)
+            channels = beats[-1].side_channels or [beats[-1].side_channel]
+            role = "prefill" if worker_id.startswith("prefill") else "decode"
+            assert len(set(channels)) == ranks[role], (worker_id, channels)
             assert beats[-1].side_channel == channels[0]
     finally:
         await observer.close()
 
 
-async def test_push_and_pull_at_tp2_give_the_local_answer(
-    tp_stack: UpStack, rng: random.Random
+async def test_push_and_pull_give_the_local_answer(
+    tp_stack: tuple[UpStack, dict[str, int]], rng: random.Random
 ) -> None:
-    client = tp_stack.client()
+    stack, _ = tp_stack
+    client = stack.client()
     for length in (60, 300):  # under one block, and three blocks (D caches after local)
         ids = [rng.randrange(10, 2000) for _ in range(length)]
         ref = await complete(client, ids, "local", max_tokens=16)
@@ -49,4 +63,4 @@ async def test_push_and_pull_at_tp2_give_the_local_answer(
         for mode in ("push", "pull"):
             got = await complete(client, ids, mode, max_tokens=16)
             assert got.choices[0].text == ref.choices[0].text, (length, mode)
-            await assert_kv_received(tp_stack, [(got.id, mode)])
+            await assert_kv_received(stack, [(got.id, mode)])

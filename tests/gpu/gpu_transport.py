@@ -204,7 +204,8 @@ def make_side(setup: dict[str, Any], name: str, seed: int) -> dict[str, Any]:
     import numpy as np
 
     from kvpush.connector.agent import AgentConfig, NixlAgent
-    from kvpush.connector.layout import CompatInfo, pool_layout
+    from kvpush.connector.layout import pool_layout
+    from kvpush.connector.peering import CompatInfo
     from kvpush.connector.transport import KvTransport, TransportConfig
 
     dev = Dev(setup["cpu"], setup["gpu_p"] if name.endswith("-p") else setup["gpu_d"])

@@ -299,7 +299,7 @@ def test_killed_peer_fails_the_push_within_its_deadline_and_leaks_no_handle(
     ("spec", "message"),
     [
         (PoolSpec(seed=3, dtype="float16"), "dtype: local 'float32', peer 'float16'"),
-        (PoolSpec(seed=3, block_bytes=4096), "bytes per block"),
+        (PoolSpec(seed=3, block_bytes=6144), "bytes per block"),  # no TP maps 8192 to it
     ],
     ids=["dtype", "geometry"],
 )
@@ -315,6 +315,25 @@ def test_incompatible_peer_is_refused_with_a_clear_error(
         [event] = local.wait(tid)
         assert (event.state, event.reason) == (TransferState.FAILED, FailReason.INCOMPATIBLE)
         assert message in event.detail
+    finally:
+        other.close()
+
+
+def test_a_pool_of_half_blocks_connects_but_a_whole_block_transfer_is_refused(
+    local: Local,
+) -> None:
+    """Half the bytes per block is what a peer of twice the TP has: the handshake accepts it,
+    and a transfer whose slices do not match (whole blocks both sides) fails before any
+    request is posted."""
+    other = PeerProcess(PoolSpec(seed=3, block_bytes=4096), name="half")
+    try:
+        local.t.connect(other.address)
+        tid = new_tid()
+        local.t.start_push(tid, other.address, [[0, 1]], [[0, 1]], TIMEOUT, None)
+        [event] = local.wait(tid)
+        assert (event.state, event.reason) == (TransferState.FAILED, FailReason.INCOMPATIBLE)
+        assert "do not match" in event.detail and event.bytes == 0
+        assert local.t.live_handles == 0
     finally:
         other.close()
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.connector.layout import CompatInfo, PoolLayout, pool_layout
+from kvpush.connector.layout import PoolLayout, pool_layout
+from kvpush.connector.peering import CompatInfo
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
 
@@ -35,7 +36,7 @@ class PoolSpec:
 
     def compat(self) -> CompatInfo:
         return CompatInfo(
-            model=self.model, dtype=self.dtype, block_size=self.block_size, layout="test", tp=1
+            model=self.model, dtype=self.dtype, block_size=self.block_size, layout="test"
         )
 
 

@@ -8,10 +8,12 @@ engines, real NIXL, real nats-server); here a step cannot be skipped without a t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvpush.connector.layout import WHOLE, Slice
 from kvpush.connector.params import (
     ConnectorSettings,
     DecodeWork,
@@ -19,8 +21,10 @@ from kvpush.connector.params import (
     ReceiveKind,
     TransferParams,
 )
+from kvpush.connector.peering import VLLM_CPU_LAYOUT
 from kvpush.connector.transfer import InvalidTransition, Role, TransferEvent, TransferState
-from kvpush.connector.vllm.decode_side import DecodeSide, IncomingState
+from kvpush.connector.vllm.decode_side import DecodeSide
+from kvpush.connector.vllm.incoming import IncomingState
 from kvpush.connector.vllm.outgoing import OutgoingState
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import TimingMarks, WorkerRuntime
@@ -47,6 +51,7 @@ class Recorder:
     """Transport and bus in one: every call is recorded as (name, args)."""
 
     compat_hash, epoch, address = OURS, 1, "tcp://127.0.0.1:1"
+    config = SimpleNamespace(compat=SimpleNamespace(layout=VLLM_CPU_LAYOUT))
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -54,7 +59,7 @@ class Recorder:
 
     def __getattr__(self, name: str) -> Any:
         def record(*args: Any, **kwargs: Any) -> bool:
-            self.calls.append((name, args))
+            self.calls.append((name, (*args, *kwargs.values())))
             return True
 
         return record
@@ -279,3 +284,166 @@ def test_timing_marks_keep_the_first_start_and_the_last_ranks_end() -> None:
     marks.record(TID, kv_landed=20)
     timing = marks.take(TID)
     assert timing is not None and (timing.prefill_start, timing.kv_landed) == (5, 30)
+
+
+# ---- a different TP on the two sides: one leg per peer rank that holds our KV heads ---------
+
+
+def _legs(rec: Recorder, name: str) -> list[tuple[Any, ...]]:
+    return [args for call, args in rec.calls if call == name]
+
+
+def leg_event(leg_id: str, state: TransferState, role: Role = Role.PUSH) -> TransferEvent:
+    return TransferEvent(leg_id, role, state, quiesced=True, bytes=100, ended_ns=5)
+
+
+def test_p_of_tp1_pushes_each_half_of_its_blocks_to_one_rank_of_a_d_of_tp2() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)  # rank 0 of 1
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=1, tp=2))
+    out = side._by_tid[TID]
+    assert out.state is OutgoingState.STREAMING
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    assert out.state is OutgoingState.STREAMING  # D's rank 0 has not announced yet
+    side.on_bus("", announcement(rank=0, tp=2))  # late: every computed layer posted at once
+    assert out.state is OutgoingState.POSTED
+    (first, second) = _legs(rec, "start_push")
+    assert (first[0], first[-1].parts, first[-1].remote_id) == (
+        f"{TID}>1",
+        (Slice(1, 2), WHOLE),
+        TID,
+    )
+    assert (second[0], second[-1].parts) == (f"{TID}>0", (Slice(0, 2), WHOLE))
+    assert first[-1].senders == second[-1].senders == 1  # each D rank hears from us alone
+    assert [a[0] for a in _legs(rec, "finish")] == [f"{TID}>1", f"{TID}>0"]
+    assert len(_legs(rec, "push_layers")) == LAYERS + 1
+    side.collect(set(), [leg_event(f"{TID}>1", TransferState.DONE)])
+    assert not out.settled  # the other leg is still in flight
+    side.collect({"r0"}, [leg_event(f"{TID}>0", TransferState.DONE)])
+    (pushed,) = rec.messages(KvPushed)
+    assert pushed.bytes == 200 and TID not in side._by_tid
+
+
+def test_p_rank_of_tp2_writes_its_whole_block_into_its_half_of_a_d_of_tp1() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec, rank=1)  # rank 1 of 2
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0, tp=1))
+    ((leg_id, *_, spec),) = _legs(rec, "start_push")
+    assert leg_id == TID and spec.parts == (WHOLE, Slice(1, 2))
+    assert (spec.sender, spec.senders) == (1, 2)  # D counts two notices
+
+
+def test_a_leg_that_fails_settles_the_transfer_failed_once_every_leg_is_quiet() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0, tp=2))
+    side.on_bus("", announcement(rank=1, tp=2))
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    side.collect(set(), [leg_event(f"{TID}>0", TransferState.FAILED)])
+    assert not side._by_tid[TID].settled and not rec.messages(KvFailed)
+    side.collect({"r0"}, [leg_event(f"{TID}>1", TransferState.DONE)])
+    (failed,) = rec.messages(KvFailed)
+    assert failed.rank == 0 and not rec.messages(KvPushed) and TID not in side._by_tid
+
+
+def test_an_abort_aborts_every_started_leg_and_no_late_announcement_starts_one() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0, tp=2))
+    side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="client gone"))
+    side.on_bus("", announcement(rank=1, tp=2))
+    assert [a[0] for a in _legs(rec, "start_push")] == [f"{TID}>0"]
+    assert [a[0] for a in _legs(rec, "abort")] == [f"{TID}>0"]
+    side.collect({"r0"}, [leg_event(f"{TID}>0", TransferState.ABORTED)])
+    assert len(rec.messages(AbortAck)) == 1 and TID not in side._by_tid
+
+
+def test_tp_sizes_that_do_not_divide_are_refused_before_any_write() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec, rank=1)  # rank 1 of 2
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=1, tp=3))
+    (failed,) = rec.messages(KvFailed)
+    assert failed.reason is FailReason.INCOMPATIBLE and "tensor parallel 3" in failed.detail
+    assert "one must divide the other" in failed.detail and not _legs(rec, "start_push")
+
+
+def test_a_deadline_with_one_decode_rank_silent_fails_once_the_started_leg_is_quiet() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0, tp=2))
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    out = side._by_tid[TID]
+    out.deadline = 0.0  # D's rank 1 never announced
+    side.collect(set(), [])
+    assert out.stopping is not None and out.state is OutgoingState.POSTED
+    side.collect({"r0"}, [leg_event(TID + ">0", TransferState.DONE)])
+    (failed,) = rec.messages(KvFailed)
+    assert failed.reason is FailReason.DEADLINE and TID not in side._by_tid
+
+
+def ready(rank: int, tp: int) -> KvReady:
+    return KvReady(
+        transfer_id=TID,
+        prefill_id="p0",
+        prefill_epoch=1,
+        block_runs=[(0, 2)],
+        num_tokens=8,
+        compat_hash=OURS,
+        side_channel=f"tcp://127.0.0.1:{10 + rank}",
+        rank=rank,
+        tp=tp,
+    )
+
+
+def test_d_of_tp1_reads_both_p_ranks_of_tp2_into_the_halves_of_its_blocks() -> None:
+    rec = Recorder()
+    side, _ = decode_side(rec)
+    side.on_work(receive(ReceiveKind.PULL, TransferMode.PULL))
+    side.on_bus("", ready(1, 2))
+    inc = side._by_tid[TID]
+    assert inc.state is IncomingState.RECEIVING
+    side.on_bus("", ready(0, 2))
+    (first, second) = _legs(rec, "start_pull")
+    assert (first[0], first[-1].parts) == (f"{TID}>1", (Slice(1, 2), WHOLE))
+    assert (second[0], second[-1].parts) == (f"{TID}>0", (Slice(0, 2), WHOLE))
+    assert side.collect([leg_event(f"{TID}>1", TransferState.DONE, Role.PULL)]) == (set(), {})
+    finished, failed = side.collect([leg_event(f"{TID}>0", TransferState.DONE, Role.PULL)])
+    assert finished == {"r0"} and failed == {}
+
+
+def test_d_pull_whose_second_p_rank_never_readies_aborts_the_first_read_and_recomputes() -> None:
+    rec = Recorder()
+    side, _ = decode_side(rec)
+    side.on_work(receive(ReceiveKind.PULL, TransferMode.PULL))
+    side.on_bus("", ready(0, 2))
+    side._by_tid[TID].deadline = 0.0
+    assert side.collect([]) == (set(), {})  # our READ of rank 0 is still live
+    assert [a[0] for a in _legs(rec, "abort")] == [f"{TID}>0"] and rec.messages(Abort)
+    finished, failed = side.collect([leg_event(f"{TID}>0", TransferState.ABORTED, Role.PULL)])
+    assert finished == set() and failed == {"r0": [5, 6]}
+
+
+def test_d_push_target_counts_every_writing_p_rank_before_its_blocks_go() -> None:
+    rec = Recorder()
+    side, _ = decode_side(rec)
+    side.on_work(receive(ReceiveKind.PUSH, TransferMode.PUSH))
+    side.on_bus("", AbortAck(transfer_id=TID, prefill_id="p0", rank=1, tp=2))
+    assert ("acknowledged", (TID, 1, 2)) in rec.calls  # P rank 1 of 2 of the two writers
+
+
+def test_every_d_rank_s_announcement_that_came_before_the_request_is_kept() -> None:
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_bus("", announcement(rank=0, tp=2))
+    side.on_bus("", announcement(rank=1, tp=2))
+    side.on_work(work(completes=True))
+    assert sorted(a[0] for a in _legs(rec, "start_push")) == [f"{TID}>0", f"{TID}>1"]

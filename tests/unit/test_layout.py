@@ -7,17 +7,13 @@ import numpy as np
 import pytest
 
 from kvpush.connector.layout import (
-    CompatInfo,
     KvRegion,
     MemType,
     PoolLayout,
     block_indices,
     check_runs,
-    compat_diff,
-    compat_hash,
     count_descriptors,
     descriptor_pair,
-    geometry_diff,
     ids_to_runs,
     layer_index_tables,
     pair_runs,
@@ -26,6 +22,7 @@ from kvpush.connector.layout import (
     registration_descs,
     runs_to_ids,
 )
+from kvpush.connector.peering import CompatInfo, compat_diff, compat_hash, geometry_diff
 from kvpush.schemas.messages import PROTOCOL_VERSION, BlocksAnnounced
 
 BB = 4096
@@ -139,20 +136,19 @@ def test_adjacent_k_and_v_views_of_one_tensor_register_as_one_region() -> None:
 
 
 def test_compat_hash_covers_protocol_and_every_field() -> None:
-    base = CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD", tp=1)
+    base = CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD")
     assert base.protocol == PROTOCOL_VERSION
     variants = [
-        CompatInfo(model="m2", dtype="float32", block_size=128, layout="NHD", tp=1),
-        CompatInfo(model="m", dtype="float16", block_size=128, layout="NHD", tp=1),
-        CompatInfo(model="m", dtype="float32", block_size=64, layout="NHD", tp=1),
-        CompatInfo(model="m", dtype="float32", block_size=128, layout="HND", tp=1),
-        CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD", tp=2),
-        CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD", tp=1, protocol=99),
+        CompatInfo(model="m2", dtype="float32", block_size=128, layout="NHD"),
+        CompatInfo(model="m", dtype="float16", block_size=128, layout="NHD"),
+        CompatInfo(model="m", dtype="float32", block_size=64, layout="NHD"),
+        CompatInfo(model="m", dtype="float32", block_size=128, layout="HND"),
+        CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD", protocol=99),
     ]
     hashes = {compat_hash(v) for v in variants}
     assert compat_hash(base) not in hashes and len(hashes) == len(variants)
     assert compat_hash(base) == compat_hash(
-        CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD", tp=1)
+        CompatInfo(model="m", dtype="float32", block_size=128, layout="NHD")
     )
     assert compat_diff(base, variants[1]) == ["dtype: local 'float32', peer 'float16'"]
 

@@ -124,3 +124,7 @@ def test_tensor_parallel_flags_reach_the_engine_and_bad_ones_are_config_errors(t
     with pytest.raises(ConfigError, match="--tp"):
         UpConfig.from_args(parse(UP_SETTINGS, "--tp", "0"), {})
     assert UpConfig.from_args(parse(UP_SETTINGS), {"KVPUSH_UP_TP": "2"}).tp == 2
+    mixed = UpConfig.from_args(parse(UP_SETTINGS, "--prefill-tp", "2"), {})
+    assert (mixed.tp_of("prefill"), mixed.tp_of("decode")) == (2, 1)
+    with pytest.raises(ConfigError, match="one must divide the other"):
+        UpConfig.from_args(parse(UP_SETTINGS, "--prefill-tp", "2", "--decode-tp", "3"), {})

@@ -17,7 +17,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvpush.connector.layout import CompatInfo, PoolLayout, compat_hash
+from kvpush.connector.layout import PoolLayout
+from kvpush.connector.peering import CompatInfo, compat_hash
 from kvpush.connector.sidechannel import (
     HandshakeError,
     Hello,
