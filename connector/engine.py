@@ -145,8 +145,15 @@ class TransferEngine:
             self._on_peer_ready(t, self.clock())
         return t
 
-    def expect(self, transfer_id: str, timeout_s: float, peer: str | None) -> Transfer:
+    def expect(
+        self,
+        transfer_id: str,
+        timeout_s: float,
+        peer: str | None,
+        sender_at: dict[str, int] | None = None,
+    ) -> Transfer:
         t = self._new(transfer_id, Role.TARGET, peer, timeout_s, None)
+        t.sender_at = dict(sender_at or {})
         for notice in self._early.pop(transfer_id, None) or []:
             t.on_notice(notice.kind, self.clock(), notice.sender, notice.senders)
         return t
@@ -174,7 +181,7 @@ class TransferEngine:
         """Forget a peer (dead or restarted): fail and quiesce every transfer bound to it."""
         now = self.clock()
         for t in self.transfers.values():
-            if t.peer != address:
+            if t.peer != address and address not in t.sender_at:
                 continue
             if t.initiator and t.state is not _S.WAITING_PEER:
                 self._fail(t, now, FailReason.TRANSFER, why)
@@ -182,7 +189,11 @@ class TransferEngine:
             elif not t.initiator:
                 if not t.state.terminal:
                     t.to(_S.FAILED, now, FailReason.TRANSFER, why)
-                t.noticed = True
+                if address in t.sender_at:  # one of several writers: the others may still write
+                    t.heard.setdefault(t.sender_at[address], NoticeKind.FAILED)
+                    t.senders = max(t.senders, len(t.sender_at))
+                else:
+                    t.noticed = True
         return self.peers.pop(address, None)
 
     def _on_peer_ready(self, t: Transfer, now: float) -> None:

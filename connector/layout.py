@@ -122,8 +122,8 @@ def region_of(tensor: Any) -> tuple[KvRegion, MemType]:
         )
         return region, MemType.DRAM
     if hasattr(tensor, "data_ptr") and hasattr(tensor, "element_size"):  # torch.Tensor
-        if tensor.dim() < 1 or not tensor[0].is_contiguous():
-            raise ValueError("a KV tensor must be [num_blocks, ...] with each block contiguous")
+        if tensor.dim() < 1 or not dense(tuple(tensor[0].shape), tuple(tensor[0].stride())):
+            raise ValueError("a KV tensor must be [num_blocks, ...] with each block dense")
         size = tensor.element_size()
         cuda = tensor.device.type == "cuda"
         region = KvRegion(
@@ -135,6 +135,19 @@ def region_of(tensor: Any) -> tuple[KvRegion, MemType]:
         )
         return region, MemType.VRAM if cuda else MemType.DRAM
     raise TypeError(f"cannot describe a {type(tensor).__name__} as a KV region")
+
+
+def dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Do elements of this shape and these strides (in elements) fill one gap-free byte range,
+    in some dimension order? (vLLM's GPU cache is a permuted view: each block is dense although
+    ``is_contiguous()`` is False.)"""
+    dims = sorted((st, n) for n, st in zip(shape, strides, strict=True) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def pool_layout(layers: Sequence[Sequence[Any]]) -> PoolLayout:

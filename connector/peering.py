@@ -88,8 +88,19 @@ def _short(geometry: list[list[int]]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-VLLM_CPU_LAYOUT = "vllm-paged-LBHNC"  # one [blocks, kv_heads, block_size, 2*head_dim] per layer
+# vLLM's per-layer KV cache, logical [blocks, kv_heads, block_size, 2*head_dim] (K and V packed
+# in the last dim) on CPU and with FlashAttention on GPU; in memory a block is either
+VLLM_CPU_LAYOUT = "vllm-paged-LBHNC"  # heads outer (CPU; GPU with VLLM_KV_CACHE_LAYOUT=HND)
+VLLM_TOKEN_MAJOR_LAYOUT = "vllm-paged-LBNHC"  # or tokens outer (GPU FlashAttention, NHD default)
 HEAD_MAJOR_LAYOUTS = frozenset({VLLM_CPU_LAYOUT})  # a block's KV heads are contiguous bytes
+
+
+def paged_layout_name(strides: tuple[int, ...]) -> str:
+    """The layout name of a vLLM per-layer cache tensor from its strides (logical dims
+    [blocks, kv_heads, block_size, 2*head_dim]): which of heads and tokens is outer in a block."""
+    if len(strides) != 4:
+        raise ValueError(f"a vLLM paged KV cache has 4 dims, not {len(strides)}")
+    return VLLM_CPU_LAYOUT if strides[1] >= strides[2] else VLLM_TOKEN_MAJOR_LAYOUT
 
 
 class TpMismatch(ValueError):

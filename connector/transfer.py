@@ -168,6 +168,7 @@ class Transfer:
     noticed: bool = False  # set alone when the peer is lost: nothing more can land
     heard: dict[int, NoticeKind] = field(default_factory=dict)  # sender rank -> its word
     senders: int = 1  # how many ranks write into this target (the notices say)
+    sender_at: dict[str, int] = field(default_factory=dict)  # writers' addresses -> rank
     # reporting
     reported: tuple[TransferState, bool] | None = None
 

@@ -290,11 +290,19 @@ class KvTransport:
                 self._peers.request(peer)
             return t.state
 
-    def expect(self, transfer_id: str, timeout_s: float, peer: str | None = None) -> None:
-        """Track a transfer the peer initiates; its notice (or the deadline) ends it."""
+    def expect(
+        self,
+        transfer_id: str,
+        timeout_s: float,
+        peer: str | None = None,
+        sender_at: dict[str, int] | None = None,
+    ) -> None:
+        """Track a transfer the peer initiates; its notice (or the deadline) ends it.
+        ``sender_at``: the side channels of several writing ranks (a peer of larger TP) by
+        rank, so that ``peer_lost`` of one of them counts as that rank's last word only."""
         with self._lock:
             self._check_open()
-            self._engine.expect(transfer_id, timeout_s, peer)
+            self._engine.expect(transfer_id, timeout_s, peer, sender_at)
         self._changed()
 
     def push_layers(self, transfer_id: str, layers: Sequence[int]) -> bool:

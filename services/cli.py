@@ -22,6 +22,7 @@ EPILOG = """\
 Quick start:
   kvpush up                         embedded default: nats-server, tiny model, P + D, gateway
   kvpush model tiny --out DIR       build the tiny random-weight test model
+  kvpush model llama-8b --out DIR   an 8B-shaped config for GPUs (serve: --load-format dummy)
   kvpush schemas export --check     verify the committed bus contract files are current
 See README.md and docs/ for the architecture and operating notes."""
 
@@ -54,7 +55,7 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
     from kvpush.services import models
 
-    recipe = models.TINY if args.preset == "tiny" else models.BENCH
+    recipe = models.RECIPES[args.preset]
     overrides = {
         key: getattr(args, key)
         for key in (
@@ -244,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     for preset, text in (
         ("tiny", "tiny Llama for tests (2 layers, hidden 128): seconds to build"),
         ("bench", "larger Llama for benchmarks (8 layers, hidden 512): prefill costs real time"),
+        (
+            "llama-8b",
+            "Llama-3-8B shape for GPU benchmarks (32 layers, hidden 4096, 8 KV heads): config"
+            " and tokenizer only, serve it with --load-format dummy (random bf16 weights)",
+        ),
+        ("llama-70b", "Llama-3-70B shape (80 layers, hidden 8192), like llama-8b: for the record"),
     ):
         p = model_sub.add_parser(preset, help=text, description=text + ". Same seed, same files.")
         p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")

@@ -2,7 +2,10 @@
 
 This module owns everything about the models kvpush serves when no real checkpoint is given:
 
-- `ModelRecipe` and the two presets `TINY` (CI, `kvpush up`) and `BENCH` (benchmarks).
+- `ModelRecipe` and its presets: `TINY` (CI, `kvpush up`), `BENCH` (CPU benchmarks), and the
+  GPU benchmark shapes `LLAMA_8B` / `LLAMA_70B` (Llama-3 8B / 70B layer geometry with a small
+  local tokenizer; `weights=False`: config and tokenizer only, loaded with vLLM's
+  `load_format="dummy"`, random weights in GPU memory, no files).
 - `build_model`: writes a Hugging Face Llama directory that vLLM loads offline (config,
   generation config, float32 safetensors, byte-level BPE tokenizer with a chat template) plus a
   `kvpush-model.json` stamp. Builds are deterministic (same recipe -> byte-identical files),
@@ -71,6 +74,7 @@ class ModelRecipe:
     vocab_size: int
     max_context: int
     seed: int = 0
+    weights: bool = True  # False: no safetensors (vLLM load_format="dummy" fills them)
 
     @property
     def head_dim(self) -> int:
@@ -99,7 +103,29 @@ BENCH = ModelRecipe(
     max_context=4096,
     seed=0,
 )
-RECIPES = {"tiny": TINY, "bench": BENCH}
+LLAMA_8B = ModelRecipe(
+    "kvpush-llama-8b-shape",
+    layers=32,
+    hidden=4096,
+    intermediate=14336,
+    heads=32,
+    kv_heads=8,
+    vocab_size=2048,
+    max_context=16384,
+    weights=False,
+)
+LLAMA_70B = ModelRecipe(
+    "kvpush-llama-70b-shape",
+    layers=80,
+    hidden=8192,
+    intermediate=28672,
+    heads=64,
+    kv_heads=8,
+    vocab_size=2048,
+    max_context=16384,
+    weights=False,
+)
+RECIPES = {"tiny": TINY, "bench": BENCH, "llama-8b": LLAMA_8B, "llama-70b": LLAMA_70B}
 
 
 def default_model_cache_dir() -> Path:
@@ -346,6 +372,14 @@ def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
         dtype="float32",
         architectures=["LlamaForCausalLM"],
     )
+    generation = GenerationConfig(
+        bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[END_OF_TURN]], pad_token_id=ids[PAD]
+    )
+    if not recipe.weights:  # a shape for load_format="dummy": bf16, nothing to initialise
+        config.dtype = "bfloat16"
+        config.save_pretrained(str(out))
+        generation.save_pretrained(str(out))
+        return
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
@@ -353,11 +387,7 @@ def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
-    GenerationConfig(
-        bos_token_id=ids[BOS],
-        eos_token_id=[ids[EOS], ids[END_OF_TURN]],
-        pad_token_id=ids[PAD],
-    ).save_pretrained(str(out))
+    generation.save_pretrained(str(out))
 
 
 def generate_greedy(

@@ -62,6 +62,7 @@ class Child:
     argv: list[str]
     log_path: Path
     cores: list[int] | None = None
+    gpu: int | None = None  # engines sharing a GPU start one after another
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_s: float | None = None
@@ -137,18 +138,32 @@ class Stack:
         roles = [("prefill", i) for i in range(cfg.prefill)]
         roles += [("decode", i) for i in range(cfg.decode)]
         first = 0
-        for role, i in roles:
-            # a worker gets one core per rank, in turn, wrapping around
+        gpus = cfg.gpu_list()
+        per_gpu = -(-len(roles) // len(gpus)) if gpus else 1
+        share = cfg.gpu_memory_utilization or round(0.85 / per_gpu, 3)
+        cuda = worker_config.resolve_device(cfg.device) == "cuda"
+        for n, (role, i) in enumerate(roles):
+            # a worker gets one core per rank, in turn, wrapping around; on a GPU host (the
+            # model runs on the GPU, the cores feed it) an even share of the cores
             tp = cfg.tp_of(role)
-            mine = sorted({cores[(first + k) % len(cores)] for k in range(tp)})
-            first += tp
+            width = max(tp, len(cores) // len(roles)) if cuda else tp
+            mine = sorted({cores[(first + k) % len(cores)] for k in range(width)})
+            first += width
             name, cpus = f"{role}-{i}{suffix}", ",".join(map(str, mine))
             argv = [*cli, role, *common, "--id", name, "--cpus", cpus]
             if tp > 1:
                 argv += ["--tp", str(tp)]
+            argv += ["--device", cfg.device]
+            gpu = gpus[n % len(gpus)] if cuda and gpus else None
+            if gpu is not None:
+                argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(share)]
+            for flag, value in (("--load-format", cfg.load_format), ("--dtype", cfg.dtype)):
+                if value:
+                    argv += [flag, value]
             if cfg.max_inflight:
                 argv += ["--max-inflight", str(cfg.max_inflight)]
-            self.workers.append(Child(name, argv, Path(cfg.log_dir) / f"{name}.log", mine))
+            log_path = Path(cfg.log_dir) / f"{name}.log"
+            self.workers.append(Child(name, argv, log_path, mine, gpu))
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
@@ -181,11 +196,18 @@ class Stack:
                 f"starting {cfg.prefill} prefill + {cfg.decode} decode worker(s) and the "
                 f"gateway (logs in {cfg.log_dir}); engines take a few seconds each"
             )
-            for child in self.children:
-                child.start()
+            # vLLM sizes its KV cache from the GPU memory free while it profiles: two engines
+            # profiling one GPU at once starve each other, so a GPU's engines start in turn
+            pending = list(self.children)
             started = time.monotonic()
             next_note = started + 15.0
             while not ready.is_set():
+                busy = {c.gpu for c in self.workers if c.proc is not None and c.name in waiting}
+                for child in list(pending):
+                    if child.gpu is None or child.gpu not in busy:
+                        pending.remove(child)
+                        busy.add(child.gpu)
+                        child.start()
                 self._check_children()
                 now = time.monotonic()
                 if now - started > cfg.start_timeout_s:

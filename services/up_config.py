@@ -29,6 +29,11 @@ class UpConfig:
     tp: int = 1  # tensor-parallel ranks of every worker
     prefill_tp: int | None = None  # None: tp
     decode_tp: int | None = None  # None: tp
+    device: str = "auto"  # passed to every worker (see kvpush prefill --help)
+    gpus: str = "0"  # cuda: the GPUs the workers take in turn, e.g. "0,1"
+    gpu_memory_utilization: float | None = None  # None: 0.85 split between a GPU's engines
+    load_format: str | None = None
+    dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     mode: TransferMode = TransferMode.PUSH
@@ -50,6 +55,12 @@ class UpConfig:
                 f"--prefill-tp {self.tp_of('prefill')} and --decode-tp {self.tp_of('decode')}:"
                 " one must divide the other (KV heads are split or merged between them)"
             )
+
+    def gpu_list(self) -> list[int]:
+        try:
+            return [int(g) for g in self.gpus.split(",") if g.strip()]
+        except ValueError:
+            raise ConfigError(f"--gpus takes indices like 0 or 0,1, not {self.gpus!r}") from None
 
     def tp_of(self, role: str) -> int:
         """Tensor-parallel ranks of a ``prefill`` or ``decode`` worker."""
@@ -97,6 +108,46 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         "tensor-parallel ranks of the decode workers (default: --tp)",
         "KVPUSH_UP_DECODE_TP",
+    ),
+    Setting(
+        "device",
+        ("--device",),
+        str,
+        "cpu or cuda for every worker (default auto: the installed vLLM's)",
+        "KVPUSH_DEVICE",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Setting(
+        "gpus",
+        ("--gpus",),
+        str,
+        "cuda: GPUs the workers take in turn (default 0: P and D share one GPU)",
+        "KVPUSH_UP_GPUS",
+        metavar="LIST",
+    ),
+    Setting(
+        "gpu_memory_utilization",
+        ("--gpu-memory-utilization",),
+        float,
+        "cuda: each engine's share of its GPU's memory (default 0.85 split between the"
+        " engines on one GPU)",
+        "KVPUSH_GPU_MEMORY_UTILIZATION",
+        metavar="F",
+    ),
+    Setting(
+        "load_format",
+        ("--load-format",),
+        str,
+        "vLLM load format of every worker; dummy: random weights (`kvpush model llama-8b`)",
+        "KVPUSH_LOAD_FORMAT",
+    ),
+    Setting(
+        "dtype",
+        ("--dtype",),
+        str,
+        "weights and KV dtype (default auto: bfloat16 on cuda, float32 on cpu)",
+        "KVPUSH_DTYPE",
+        choices=("auto", "float32", "bfloat16", "float16"),
     ),
     *(GATEWAY[name] for name in ("host", "port", "mode")),  # passed on to the gateway
     Setting(

@@ -113,7 +113,10 @@ class KVPushConnector(KVConnectorBase_V1):
             self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return None  # pushes are asynchronous; their source blocks stay held (delay_free)
+        # pushes are asynchronous (their source blocks stay held: delay_free); on a GPU this
+        # waits until the step's last layer ran and was handed to the push
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_handshake_metadata(self) -> KVPushHandshake | None:
         """This rank's identity for the scheduler half (vLLM collects it after registration)."""

@@ -179,11 +179,13 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         tid = item.params.transfer_id
         timeout = item.params.timeout_s(self.settings.transfer_timeout_s)
         peer = item.params.prefill_address_of(self.rank.index, self.rank.size)
-        inc = Incoming(item, time.monotonic() + timeout, Legs(tid, self.rank), peer=peer)
+        writers = self._writers(item.params.prefill_addresses)
+        inc = Incoming(item, time.monotonic() + timeout, Legs(tid, self.rank), peer, list(writers))
         self._track(tid, inc)
         started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
-            self.transport.expect(tid, timeout, peer=peer)
+            several = writers if len(writers) > 1 else None  # P of larger TP: count each rank
+            self.transport.expect(tid, timeout, peer=peer, sender_at=several)
             inc.advance(IncomingState.RECEIVING)
             self.bus.publish(
                 subjects.blocks(item.params.prefill_id),
@@ -211,6 +213,14 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 {"kvpush.transfer_id": tid, "kvpush.blocks": len(item.block_ids)},
             )
         self._apply_early(tid, inc)
+
+    def _writers(self, addresses: list[str]) -> dict[str, int]:
+        """The side channels of the P ranks that hold our heads, by rank (from P's heartbeat:
+        one address per rank; none known: empty)."""
+        if not addresses:
+            return {}
+        ranks = peer_ranks(self.rank.index, self.rank.size, len(addresses))
+        return {addresses[r]: r for r in ranks if r < len(addresses)}
 
     def _tell_prefill(self, item: DecodeWork, reason: str) -> None:
         self.bus.publish(
@@ -300,19 +310,20 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
             return True
         return True
 
-    def _probe(self, inc: Incoming, address: str) -> None:
-        """P never acknowledged: if its side channel is gone, P is dead and nothing can land."""
-        alive = self._peer_alive(address)
+    def _probe(self, inc: Incoming, addresses: list[str]) -> None:
+        """P never acknowledged: a P rank whose side channel is gone is dead and nothing of it
+        can land (each writing rank is probed: the target is quiesced when all are)."""
+        dead = [address for address in addresses if not self._peer_alive(address)]
         with self.lock:
             inc.probing = False
-            if not alive:
+            for address in dead:
                 log.warning(
                     "prefill at %s is gone: releasing transfer %s",
                     address,
                     inc.work.params.transfer_id,
                 )
                 self.transport.peer_lost(address)
-            else:
+            if len(dead) < len(addresses):
                 inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
                 self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
         self.runtime.notify()
@@ -321,7 +332,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
         for address in self.runtime.take_suspects():
             if address in self._probing or not any(
-                inc.peer == address and not inc.settled for inc in self._by_tid.values()
+                address in inc.peers and not inc.settled for inc in self._by_tid.values()
             ):
                 continue
             self._probing.add(address)
@@ -335,7 +346,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
                 self.transport.peer_lost(address)
                 for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
-                    if inc.peer == address and inc.state is IncomingState.WAITING:
+                    if address in inc.peers and inc.state is IncomingState.WAITING:
                         self._settle(inc, TransferState.FAILED)
         self.runtime.notify()
 
@@ -373,13 +384,14 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 # (rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
                 if (
                     inc.state is IncomingState.ABORTING
-                    and inc.peer
+                    and inc.peers
                     and inc.abort_sent_at is not None
                     and not inc.probing
                     and now - inc.abort_sent_at > self.settings.abort_ack_timeout_s
                 ):
                     inc.probing = True
-                    threading.Thread(target=self._probe, args=(inc, inc.peer), daemon=True).start()
+                    probe = threading.Thread(target=self._probe, args=(inc, inc.peers), daemon=True)
+                    probe.start()
                 if not inc.settled:
                     continue
                 req_id = inc.work.req_id

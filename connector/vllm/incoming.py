@@ -17,7 +17,7 @@ Threading model: none; ``DecodeSide`` owns these objects and changes them under 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.connector.params import DecodeWork
 from kvpush.connector.transfer import TransferState
@@ -46,6 +46,7 @@ class Incoming:
     deadline: float
     legs: Legs  # pull: our READ of each P rank
     peer: str | None = None  # P's side channel once known (pull: KvReady; push: its WRITE)
+    writers: list[str] = field(default_factory=list)  # every P rank's holding our heads
     state: IncomingState = IncomingState.WAITING
     abort_sent_at: float | None = None  # set when we aborted (ABORTING, or WAITING -> SETTLED)
     probing: bool = False
@@ -66,6 +67,11 @@ class Incoming:
     def started(self) -> bool:
         """Something was posted or expected: only P's word (or death) can end it now."""
         return self.state in (IncomingState.RECEIVING, IncomingState.ABORTING)
+
+    @property
+    def peers(self) -> list[str]:
+        """The P side channels this receive depends on (to probe when P falls silent)."""
+        return self.writers or ([self.peer] if self.peer else [])
 
     @property
     def settled(self) -> bool:

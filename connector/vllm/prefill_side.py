@@ -295,7 +295,10 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
 
     def _release_read_blocks(self, out: Outgoing) -> None:
         """Pull: D only READs our blocks, so nothing can land in them; once the transfer is over
-        (aborted, or D never came to read in time) they may go without D's notice."""
+        (aborted, or D never came to read in time) they may go without D's notice. With two D
+        ranks reading (D's TP twice ours) one may still be reading when the other failed: what
+        it reads may then be reused blocks, but D recomputes the request (vLLM treats the
+        failed rank's blocks as invalid for the whole request), so no wrong token follows."""
         self.transport.acknowledged(out.params.transfer_id)
 
     def _fail(self, out: Outgoing, reason: FailReason, detail: str) -> None:
@@ -374,11 +377,12 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         self._fail(out, FailReason.PREFILL, "request ended before its prefill")
                     elif now > out.deadline:
                         self._fail(out, FailReason.DEADLINE, "no announcement from decode in time")
-                elif out.stopping is None and not out.legs.complete and now > out.deadline:
-                    missing = "no announcement from every decode rank in time"
-                    self._stop(out, TransferState.FAILED, FailReason.DEADLINE, missing)
-                elif out.state is OutgoingState.STREAMING and out.req_finished:
-                    self._abort(out, "request ended before its prefill")
+                elif out.state is OutgoingState.STREAMING:  # push; some D rank may not have come
+                    if out.req_finished and len(out.computed) < self.num_layers:
+                        self._abort(out, "request ended before its prefill")
+                    elif out.stopping is None and now > out.deadline:
+                        missing = "no announcement from every decode rank in time"
+                        self._stop(out, TransferState.FAILED, FailReason.DEADLINE, missing)
                 if out.settled and out.req_finished:
                     released.add(out.req_id)
                     self._forget(tid)

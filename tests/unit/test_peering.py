@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvpush.connector.engine import TransferEngine
 from kvpush.connector.layout import (
     WHOLE,
     Slice,
@@ -171,3 +172,23 @@ def test_a_notice_names_the_target_s_id_its_sender_rank_and_the_sender_count() -
     notice = Notice(NOTICE_VERSION, NoticeKind.DONE, "tx-1", 1, 2)
     assert notice_encoder.encode(notice) == b'[1,"done","tx-1",1,2]'
     assert notice_decoder.decode(b'[1,"done","tx-1"]') == Notice(1, NoticeKind.DONE, "tx-1", 0, 1)
+
+
+def test_a_lost_writer_of_two_is_that_rank_s_last_word_not_the_target_s() -> None:
+    """P of TP 2 writes into D of TP 1: one P rank's death must not free D's blocks while the
+    other can still write."""
+    layout = pool_layout([[t] for t in _pool(2)])
+    engine = TransferEngine(
+        None,  # type: ignore[arg-type]  (no NIXL call on these paths)
+        layout,
+        None,
+        cancel_grace_s=1.0,
+        max_transfers=8,
+        max_early_notices=8,
+        clock=lambda: 1.0,
+    )
+    t = engine.expect("t", 5.0, "tcp://a", {"tcp://a": 0, "tcp://b": 1})
+    engine.detach("tcp://a", "peer lost")
+    assert t.state is TransferState.FAILED and not t.quiesced
+    engine.detach("tcp://b", "peer lost")
+    assert t.quiesced

@@ -1,0 +1,62 @@
+"""``LayerGate``: on a GPU, a layer's KV may be pushed only once the GPU has written it.
+
+``save_kv_layer`` runs on the forward thread as soon as vLLM *enqueued* a layer's attention, long
+before the GPU ran it. On CPU that is the same moment (kernels run synchronously); on CUDA the
+gate records an event on the current stream per layer and a thread of its own waits for each
+event in order, then hands the layer on (``on_ready``: the prefill side posts its WRITEs). So
+WRITEs of layer i overlap the computation of layers i+1.. and never read unwritten KV.
+``drain`` (from ``wait_for_save``, after the forward) waits until every recorded layer was
+handed on, so a step's layers are all posted before the next step's work replaces them.
+
+Threading model: ``record`` and ``drain`` on the forward thread; ``on_ready`` runs on the
+gate's own thread (``kvpush-layer-gate``), which takes no lock of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class LayerGate:
+    def __init__(self, on_ready: Callable[[int], None]) -> None:
+        import torch
+
+        self._torch = torch
+        self._on_ready = on_ready
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvpush-layer-gate", daemon=True)
+        self._thread.start()
+
+    def record(self, layer: int) -> None:
+        """Layer ``layer``'s KV writes are enqueued on the current stream: hand it on once run."""
+        event = self._torch.cuda.Event()
+        event.record()
+        self._queue.put((layer, event))
+
+    def drain(self) -> None:
+        """Return once every recorded layer was handed on."""
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                layer, event = item
+                event.synchronize()
+                self._on_ready(layer)
+            except Exception:  # a layer that could not be posted fails its transfer's deadline
+                log.exception("kvpush: handing on a computed layer failed")
+            finally:
+                self._queue.task_done()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5.0)
