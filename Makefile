@@ -15,7 +15,7 @@ export TRANSFORMERS_OFFLINE := 1
 export NIXL_LOG_LEVEL := WARN
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup demo test test-unit lint fmt schemas clean help
+.PHONY: setup setup-gpu demo test test-unit lint fmt schemas clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -48,6 +48,21 @@ $(CHROMIUM):
 	    apt-get update -q && apt-get install -y -q --no-install-recommends $(CHROMIUM_PKGS); }
 	@test -x $(CHROMIUM) || { echo "[setup] $(CHROMIUM) missing after install"; exit 1; }
 	@$(CHROMIUM) --version
+
+# A CUDA 13 host with torch 2.11 (vLLM 0.26 pins it): a venv that sees the host's torch, vLLM
+# 0.26 and nixl-cu13 on top, then kvpush. Idempotent like setup (its own stamp).
+GPU_STAMP := $(VENV)/.kvpush-setup-gpu
+setup-gpu: $(GPU_STAMP)  ## CUDA host: .venv with vllm 0.26 + nixl-cu13 + kvpush (then: kvpush up --device cuda)
+
+$(GPU_STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || { echo "[setup-gpu] creating $(VENV) (sees the system torch)"; $(PY) -m venv --system-site-packages $(VENV); }
+	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('[setup-gpu] torch', torch.__version__)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check vllm==0.26.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e .
+	$(BIN)/python -c "import vllm, nixl._api, kvpush.connector; print('[setup-gpu] vllm', vllm.__version__)"
+	@touch $(GPU_STAMP)
+	@echo "[setup-gpu] done: .venv/bin/kvpush model llama-8b --out models/llama-8b, then see README"
 
 demo: setup  ## run the embedded default stack (kvpush up)
 	$(BIN)/kvpush up

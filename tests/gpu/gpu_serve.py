@@ -197,7 +197,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for the JSON and the logs")
+    parser.add_argument("--out", help="folder for the JSON and the logs (required to run)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8411)
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
         body = table(json.loads(Path(args.report).read_text()))
         return docgen.publish(body, args.doc, "gpu-serve", REPORT_COMMAND, args.check)
+    if not args.out:
+        parser.error("--out is required to run")
     reason = skip_reason()
     if reason:
         print(f"SKIP: {reason}")

@@ -69,3 +69,14 @@ def test_transport_summary_refuses_runs_of_different_settings(tmp_path: Path) ->
     (tmp_path / "run-2.json").write_text(json.dumps(first))
     with pytest.raises(ValueError, match="differ"):
         transport_report.load_runs(tmp_path)
+
+
+def test_gpu_md_serving_check_is_what_the_committed_run_generates() -> None:
+    from tests.gpu import gpu_serve
+
+    run = json.loads((DOCS / "benchmarks" / "gpu-serve-check.json").read_text())
+    moved = [a for row in run["rows"] for a in row["answers"] if a["mode"] != "local"]
+    assert moved and all(a["same_as_local"] and a["kv"] == "received" for a in moved)
+    body = gpu_serve.table(run)
+    doc = DOCS / "benchmarks" / "gpu.md"
+    assert not docgen.update(doc, "gpu-serve", body, gpu_serve.REPORT_COMMAND, check=True)
