@@ -1,0 +1,146 @@
+"""GPU swap test: the KV decode uses on the GPU is the KV prefill pushed (or D pulled).
+
+Two vLLM engines with the kvpush connector share one CUDA GPU (the Llama-3-8B shape, dummy
+weights, bf16) and a real nats-server. P prefills prompt A; D is handed prompt B (same length,
+same last token) with A's transfer. D's answer equals D's own answer to A (and differs from its
+answer to B) only if A's KV landed in D's blocks and D used it; a silent recompute would answer
+B. Also checked: D saw the KV land (``kv_landed_ns``) and both engines end with every block
+free. Push and pull, 2k and 8k tokens. Writes ``gpu_swap.json``; exits 1 on any failure.
+
+    PYTHONUNBUFFERED=1 python3 -m tests.gpu.gpu_swap --out $OUT
+
+``--cpu`` runs the same flow with the tiny model on CPU (a dry run of the script, not a
+result). Without CUDA (and without ``--cpu``) it prints ``SKIP: ...`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tests.gpu.gpu_serve import skip_reason
+from tests.gpu.gpu_transport import ensure_kvpush_importable
+
+MAX_TOKENS = 16
+
+
+def connector(role: str, worker_id: str, nats_url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.connector.vllm.connector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"worker_id": worker_id, "role": role, "nats_url": nats_url},
+    }
+
+
+def request(rid: str, ids: list[int], kv: dict | None, salt: str | None, n: int) -> dict:
+    sampling = {"max_tokens": n, "temperature": 0.0}
+    return {"request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
+            "kv_transfer_params": kv, "cache_salt": salt}  # fmt: skip
+
+
+def swap(p: Any, d: Any, rng: random.Random, length: int, mode: str) -> dict[str, Any]:
+    a = [rng.randrange(10, 2000) for _ in range(length)]
+    b = [*(rng.randrange(10, 2000) for _ in range(length - 1)), a[-1]]
+    refs = []
+    for ids in (a, b):  # D alone, its prefix cache kept apart by a unique salt
+        rid = f"ref-{uuid.uuid4().hex[:10]}"
+        (out,) = d.generate([request(rid, ids, None, rid, MAX_TOKENS)], timeout=300)
+        refs.append(out["token_ids"])
+    tid = f"tx-gpu-{uuid.uuid4().hex[:10]}"
+    kv = {"kvpush": {"transfer_id": tid, "prefill_id": "p-gpu", "decode_id": "d-gpu",
+                     "mode": mode}}  # fmt: skip
+    started = time.perf_counter()
+    p.submit([request(f"p-{tid}", a, kv, None, 1)])
+    d.submit([request(f"d-{tid}", b, kv, f"s-{tid}", MAX_TOKENS)])
+    (d_out,) = d.collect([f"d-{tid}"], timeout=300)
+    (p_out,) = p.collect([f"p-{tid}"], timeout=300)
+    elapsed = round((time.perf_counter() - started) * 1e3, 1)
+    ok = (
+        d_out["error"] is None
+        and p_out["error"] is None
+        and refs[0] != refs[1]
+        and d_out["token_ids"] == refs[0]
+        and d_out.get("kv_landed_ns", 0) > 0
+    )
+    return {
+        "mode": mode,
+        "tokens": length,
+        "answers_a": d_out["token_ids"] == refs[0],
+        "a_differs_from_b": refs[0] != refs[1],
+        "kv_landed": d_out.get("kv_landed_ns", 0) > 0,
+        "errors": [d_out["error"], p_out["error"]],
+        "ms": elapsed,
+        "ok": ok,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cpu", action="store_true", help="dry run: tiny model on CPU")
+    args = parser.parse_args(argv)
+    reason = None if args.cpu else skip_reason()
+    if reason:
+        print(f"SKIP: {reason}")
+        return 0
+    ensure_kvpush_importable()
+    from kvpush.services import models
+    from kvpush.services.natsd import EmbeddedNats
+    from kvpush.services.workers.engine import EngineConfig
+    from tests.integration.engine_proc import EngineProc
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = models.TINY if args.cpu else models.LLAMA_8B
+    model = models.build_model(recipe, Path("/tmp") / f"kvpush-{recipe.name}")
+    lengths = (300, 600) if args.cpu else (2048, 8000)
+    base: dict[str, Any] = {"model_dir": str(model), "max_model_len": 4096}
+    if not args.cpu:  # the engines share GPU 0 and start one after the other
+        base |= {"max_model_len": 16384, "device": "cuda", "gpu": 0}
+        base |= {"gpu_memory_utilization": 0.4, "load_format": "dummy", "dtype": "bfloat16"}
+    roles = (("P", "prefill", "p-gpu"), ("D", "decode", "d-gpu"))
+    result: dict[str, Any] = {"model": recipe.name, "rows": []}
+    with EmbeddedNats() as nats:
+        engines = []
+        try:
+            for n, (name, role, wid) in enumerate(roles):
+                cores = [n] if args.cpu else list(range(8 * n, 8 * n + 8))
+                config = EngineConfig(
+                    **base, cpu_cores=cores, kv_transfer_config=connector(role, wid, nats.url)
+                )
+                engines.append(EngineProc(name, config, out / f"{name}.log").start(timeout=400))
+            p, d = engines
+            free = [e.free_blocks() for e in engines]
+            rng = random.Random(0)
+            for mode in ("push", "pull"):
+                for length in lengths:
+                    row = swap(p, d, rng, length, mode)
+                    result["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+            deadline = time.monotonic() + 30
+            while [e.free_blocks() for e in engines] != free and time.monotonic() < deadline:
+                time.sleep(0.2)
+            result["blocks_back"] = [e.free_blocks() for e in engines] == free
+        except Exception as exc:
+            result["error"] = repr(exc)[:2000]
+        finally:
+            for engine in engines:
+                engine.stop()
+    (out / "gpu_swap.json").write_text(json.dumps(result, indent=1))
+    ok = bool(result["rows"]) and all(r["ok"] for r in result["rows"])
+    ok = ok and result.get("blocks_back", False) and "error" not in result
+    summary = {k: v for k, v in result.items() if k != "rows"}
+    print(f"{'PASS' if ok else 'FAIL'}: {json.dumps(summary)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
