@@ -52,6 +52,7 @@ class EngineConfig:
     gpu: int | None = None  # cuda: the GPU index (CUDA_VISIBLE_DEVICES); None: as inherited
     gpu_memory_utilization: float = 0.9  # cuda: this engine's share of the GPU's memory
     load_format: str = "auto"  # "dummy": random weights, no weight files (benchmark shapes)
+    dummy_weights: str = "vllm"  # with "dummy": vLLM's draw, or "normal" (normal_dummy_weights)
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
     block_size: int = 128
     enable_prefix_caching: bool = True
@@ -79,6 +80,26 @@ class EngineConfig:
         if self.tp > 1 and self.executor == "uni":
             raise ValueError("tensor parallelism needs the multiprocess executor ('mp')")
         return "mp" if self.tp > 1 or self.executor == "mp" else "uni"
+
+
+def normal_dummy_weights(model: Any) -> None:
+    """Redraw a dummy-loaded model's weights: normal(0, 0.02) per parameter, seeded by its name
+    (so every engine draws the same), norm weights 1. vLLM's own dummy draw (uniform in
+    +-1e-3, norms included) leaves a long prompt's greedy answer to its last token alone, so a
+    swap test cannot tell moved KV from recomputed KV; with these weights the whole prompt
+    counts. Every TP shard of a parameter draws the same values: compare equal TP only."""
+    import zlib
+
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(zlib.crc32(name.encode()))
+            draw = torch.randn(param.shape, generator=gen, device=param.device)
+            param.copy_(draw.mul_(0.02).to(param.dtype))
 
 
 def rank_core_lists(cores: list[int], tp: int) -> str:
@@ -165,6 +186,9 @@ class EngineHost:
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
         kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
         engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
+            report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
+            engine.apply_model(normal_dummy_weights)
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore
         step_fn = core.step_fn
 

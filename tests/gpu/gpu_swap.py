@@ -88,7 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--cpu", action="store_true", help="dry run: tiny model on CPU")
+    parser.add_argument(
+        "--dummy-weights",
+        choices=("vllm", "normal"),
+        default="normal",
+        help="with dummy loading (GPU; CPU with --cpu-dummy): vLLM's draw, or normal(0, 0.02)",
+    )
+    parser.add_argument("--cpu-dummy", action="store_true", help="--cpu with dummy weights")
     args = parser.parse_args(argv)
+    args.cpu = args.cpu or args.cpu_dummy
     reason = None if args.cpu else skip_reason()
     if reason:
         print(f"SKIP: {reason}")
@@ -105,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     model = models.build_model(recipe, Path("/tmp") / f"kvpush-{recipe.name}")
     lengths = (300, 600) if args.cpu else (2048, 8000)
     base: dict[str, Any] = {"model_dir": str(model), "max_model_len": 4096}
+    if args.cpu_dummy:
+        base |= {"load_format": "dummy", "dummy_weights": args.dummy_weights}
     if not args.cpu:  # the engines share GPU 0 and start one after the other
         base |= {"max_model_len": 16384, "device": "cuda", "gpu": 0}
         base |= {"gpu_memory_utilization": 0.4, "load_format": "dummy", "dtype": "bfloat16"}
+        base |= {"dummy_weights": args.dummy_weights}
     roles = (("P", "prefill", "p-gpu"), ("D", "decode", "d-gpu"))
     result: dict[str, Any] = {"model": recipe.name, "rows": []}
+    result["weights"] = f"dummy ({base['dummy_weights']})" if "dummy_weights" in base else "file"
     with EmbeddedNats() as nats:
         engines = []
         try:

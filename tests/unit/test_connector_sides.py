@@ -297,6 +297,18 @@ def leg_event(leg_id: str, state: TransferState, role: Role = Role.PUSH) -> Tran
     return TransferEvent(leg_id, role, state, quiesced=True, bytes=100, ended_ns=5)
 
 
+def streaming_to(rec: Recorder, *d_ranks: int) -> PrefillSide:
+    """P of TP 1, its request's last step done (every layer saved), announced by these ranks of
+    a D of TP 2."""
+    side, _ = prefill_side(rec)
+    side.on_work(work(completes=True))
+    for rank in d_ranks:
+        side.on_bus("", announcement(rank=rank, tp=2))
+    for layer in range(LAYERS):
+        side.on_layer_saved(layer)
+    return side
+
+
 def test_p_of_tp1_pushes_each_half_of_its_blocks_to_one_rank_of_a_d_of_tp2() -> None:
     rec = Recorder()
     side, _ = prefill_side(rec)  # rank 0 of 1
@@ -338,12 +350,7 @@ def test_p_rank_of_tp2_writes_its_whole_block_into_its_half_of_a_d_of_tp1() -> N
 
 def test_a_leg_that_fails_settles_the_transfer_failed_once_every_leg_is_quiet() -> None:
     rec = Recorder()
-    side, _ = prefill_side(rec)
-    side.on_work(work(completes=True))
-    side.on_bus("", announcement(rank=0, tp=2))
-    side.on_bus("", announcement(rank=1, tp=2))
-    for layer in range(LAYERS):
-        side.on_layer_saved(layer)
+    side = streaming_to(rec, 0, 1)
     side.collect(set(), [leg_event(f"{TID}>0", TransferState.FAILED)])
     assert not side._by_tid[TID].settled and not rec.messages(KvFailed)
     side.collect({"r0"}, [leg_event(f"{TID}>1", TransferState.DONE)])
@@ -376,11 +383,7 @@ def test_tp_sizes_that_do_not_divide_are_refused_before_any_write() -> None:
 
 def test_a_deadline_with_one_decode_rank_silent_fails_once_the_started_leg_is_quiet() -> None:
     rec = Recorder()
-    side, _ = prefill_side(rec)
-    side.on_work(work(completes=True))
-    side.on_bus("", announcement(rank=0, tp=2))
-    for layer in range(LAYERS):
-        side.on_layer_saved(layer)
+    side = streaming_to(rec, 0)
     out = side._by_tid[TID]
     out.deadline = 0.0  # D's rank 1 never announced
     side.collect(set(), [])
@@ -453,11 +456,7 @@ def test_a_p_request_that_ended_after_its_last_layer_still_waits_for_a_late_deco
     """P runs max_tokens=1: its request ends right after the prefill. A D rank announcing
     after that still gets its push (the blocks are held by the delayed free)."""
     rec = Recorder()
-    side, _ = prefill_side(rec)
-    side.on_work(work(completes=True))
-    side.on_bus("", announcement(rank=0, tp=2))
-    for layer in range(LAYERS):
-        side.on_layer_saved(layer)
+    side = streaming_to(rec, 0)
     assert side.collect({"r0"}, []) == set() and not _legs(rec, "abort")
     side.on_bus("", announcement(rank=1, tp=2))
     out = side._by_tid[TID]
