@@ -302,3 +302,40 @@ async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
 
 
 # -- summary, verdicts and the generated document ---------------------------------------------
+
+
+def test_on_cuda_every_system_runs_the_bench_s_gpu_settings(tmp_path: Path) -> None:
+    """The systems' commands on a GPU host: bf16, the bench's load format and memory share
+    (the aggregated engine gets a P's plus a D's), the GPU picked by CUDA_VISIBLE_DEVICES, no
+    CPU pinning; vllm-pull-tuned asks UCX for its cuda_ipc GET lane."""
+    from kvpush.services.bench.serve import vllm_systems
+    from kvpush.services.bench.serve.systems import BenchContext, KvpushPush
+
+    ctx = BenchContext(tmp_path, "m", tmp_path, device="cuda", gpu=1, load_format="dummy")
+    spec = vllm_systems.ServerSpec("prefill", 0, 1234)
+    argv = vllm_systems.serve_argv(ctx, spec, log_stats=False)
+    for flag, value in (("--dtype", "bfloat16"), ("--load-format", "dummy")):
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
+    engine = vllm_systems.serve_argv(ctx, vllm_systems.ServerSpec("engine", 0), False)
+    assert engine[engine.index("--gpu-memory-utilization") + 1] == "0.8"
+    env = vllm_systems.serve_env(
+        spec, executor="uni", fix_affinity=True, nixl_pthr_delay_us=1000, gpu=1
+    )
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert not {"VLLM_CPU_KVCACHE_SPACE", "KVPUSH_VLLM_CPUS", "OMP_NUM_THREADS"} & set(env)
+    assert (
+        vllm_systems.nixl_config("NixlConnector", "kv_producer", "e", "cuda")["kv_buffer_device"]
+        == "cuda"
+    )
+    kvpush = KvpushPush().argv(ctx, 4321)
+    assert kvpush[kvpush.index("--device") + 1] == "cuda" and "--gpus" in kvpush
+    assert kvpush[kvpush.index("--load-format") + 1] == "dummy"
+    cpu = BenchContext(tmp_path, "m", tmp_path)
+    assert vllm_systems.serve_argv(cpu, spec, False)[argv.index("--dtype") + 1] == "float32"
+    assert "--gpu-memory-utilization" not in vllm_systems.serve_argv(cpu, spec, False)
+
+
+def test_the_tuned_pull_is_a_gpu_system_and_default_only_there() -> None:
+    assert "vllm-pull-tuned" not in plan.from_args(_args("--device", "cpu")).systems
+    assert "vllm-pull-tuned" in plan.from_args(_args("--device", "cuda")).systems

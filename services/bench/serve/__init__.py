@@ -38,7 +38,15 @@ from __future__ import annotations
 
 import argparse
 
-ALL_SYSTEMS = ("kvpush-push", "kvpush-pull", "vllm-pull", "vllm-push", "aggregated")
+ALL_SYSTEMS = (
+    "kvpush-push",
+    "kvpush-pull",
+    "vllm-pull",
+    "vllm-pull-tuned",  # GPU: vLLM's READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on
+    "vllm-push",
+    "aggregated",
+)
+CPU_SYSTEMS = tuple(s for s in ALL_SYSTEMS if s != "vllm-pull-tuned")  # the tuning is cuda_ipc's
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
 DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"
 
@@ -49,7 +57,32 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--systems", default=",".join(ALL_SYSTEMS), help="comma list (default: all five)")
+    add(
+        "--systems",
+        default=None,
+        help="comma list (default: all six on cuda; on cpu all but vllm-pull-tuned)",
+    )
+    add(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="cpu or cuda for every engine (default auto: the installed vLLM's); on cuda the"
+        " engines of one system share --gpu and start one after the other",
+    )
+    add("--gpu", default=0, type=int, help="cuda: the GPU every system runs on (default 0)")
+    add(
+        "--gpu-memory-utilization",
+        default=0.4,
+        type=float,
+        help="cuda: each engine's share of the GPU (default 0.4: P and D side by side; the"
+        " aggregated engine gets twice that, the GPU share of the two)",
+    )
+    add(
+        "--load-format",
+        default=None,
+        help="vLLM load format of every engine (default: dummy for a model built without weights,"
+        " e.g. `kvpush model llama-8b`, else auto)",
+    )
     add("--model", default="bench", help="model folder, or 'bench' / 'tiny' (built if missing)")
     add(
         "--tables",

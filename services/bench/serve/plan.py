@@ -25,9 +25,15 @@ import argparse
 import hashlib
 from dataclasses import dataclass
 
-from kvpush.services.bench.serve import ALL_SYSTEMS, CAPACITY_FRACTIONS, DEFAULT_TABLES
+from kvpush.services.bench.serve import (
+    ALL_SYSTEMS,
+    CAPACITY_FRACTIONS,
+    CPU_SYSTEMS,
+    DEFAULT_TABLES,
+)
 from kvpush.services.bench.serve.loadgen import LoadPoint
 from kvpush.services.settings import ConfigError
+from kvpush.services.workers.config import resolve_device
 
 DATASETS = ("random", "sonnet")
 
@@ -146,7 +152,10 @@ def points(plan: Plan, table: Table, rates: list[Rate], repeat: int) -> list[Poi
 
 def from_args(args: argparse.Namespace) -> Plan:
     """The plan of a command line (``--quick`` overrides tables, load and repeats)."""
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    cuda = resolve_device(getattr(args, "device", "cpu")) == "cuda"
+    default = ALL_SYSTEMS if cuda else CPU_SYSTEMS
+    text = getattr(args, "systems", None) or ",".join(default)
+    systems = tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = sorted(set(systems) - set(ALL_SYSTEMS))
     if unknown or not systems:
         raise ConfigError(f"kvpush bench serve: unknown system(s) {unknown}; know {ALL_SYSTEMS}")

