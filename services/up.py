@@ -210,7 +210,9 @@ class Stack:
                         child.start()
                 self._check_children()
                 now = time.monotonic()
-                if now - started > cfg.start_timeout_s:
+                # each engine gets the whole limit: a GPU's engines start one after another
+                last = max([started, *(c.started_at for c in self.workers if c.proc is not None)])
+                if now - last > cfg.start_timeout_s:
                     raise RuntimeError(
                         f"workers not ready after {cfg.start_timeout_s:.0f} s: {', '.join(waiting)}"
                     )

@@ -49,11 +49,30 @@ class UpConfig:
             raise ConfigError("--prefill must be >= 0 and --decode >= 1")
         if min(self.tp, self.prefill_tp or 1, self.decode_tp or 1) < 1:
             raise ConfigError("--tp, --prefill-tp and --decode-tp must be >= 1")
+        from kvpush.services.workers.config import resolve_device
+
+        self.check_gpu_plan(resolve_device(self.device) == "cuda")
         small, big = sorted((self.tp_of("prefill"), self.tp_of("decode")))
         if big % small:
             raise ConfigError(
                 f"--prefill-tp {self.tp_of('prefill')} and --decode-tp {self.tp_of('decode')}:"
                 " one must divide the other (KV heads are split or merged between them)"
+            )
+
+    def check_gpu_plan(self, cuda: bool) -> None:
+        """On CUDA: one GPU per worker (TP 1), and the engines sharing a GPU fit in it."""
+        if not cuda:
+            return
+        if max(self.tp_of("prefill"), self.tp_of("decode")) > 1:
+            raise ConfigError("--tp > 1 on CUDA is not supported yet: a worker runs on one GPU")
+        gpus = self.gpu_list()
+        if not gpus:
+            raise ConfigError("--gpus needs at least one GPU index, e.g. 0 or 0,1")
+        per_gpu = -(-(self.prefill + self.decode) // len(gpus))
+        share = self.gpu_memory_utilization
+        if share is not None and share * per_gpu > 0.95:
+            raise ConfigError(
+                f"--gpu-memory-utilization {share} x {per_gpu} engines per GPU is over the GPU"
             )
 
     def gpu_list(self) -> list[int]:

@@ -30,18 +30,22 @@ class LayerGate:
         self._torch = torch
         self._on_ready = on_ready
         self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvpush-layer-gate", daemon=True)
         self._thread.start()
 
     def record(self, layer: int) -> None:
         """Layer ``layer``'s KV writes are enqueued on the current stream: hand it on once run."""
+        if self._closed:
+            return
         event = self._torch.cuda.Event()
         event.record()
         self._queue.put((layer, event))
 
     def drain(self) -> None:
         """Return once every recorded layer was handed on."""
-        self._queue.join()
+        if not self._closed:
+            self._queue.join()
 
     def _run(self) -> None:
         while True:
@@ -58,5 +62,10 @@ class LayerGate:
                 self._queue.task_done()
 
     def close(self) -> None:
+        """Hand on what is recorded, then end the thread; later calls do nothing."""
+        if self._closed:
+            return
+        self._queue.join()
+        self._closed = True
         self._queue.put(None)
         self._thread.join(5.0)

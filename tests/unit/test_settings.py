@@ -128,3 +128,32 @@ def test_tensor_parallel_flags_reach_the_engine_and_bad_ones_are_config_errors(t
     assert (mixed.tp_of("prefill"), mixed.tp_of("decode")) == (2, 1)
     with pytest.raises(ConfigError, match="one must divide the other"):
         UpConfig.from_args(parse(UP_SETTINGS, "--prefill-tp", "2", "--decode-tp", "3"), {})
+
+
+def test_gpu_plans_that_cannot_run_are_refused_before_anything_starts(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="on CUDA is not supported yet"):
+        UpConfig.from_args(parse(UP_SETTINGS, "--device", "cuda", "--tp", "2"), {})
+    with pytest.raises(ConfigError, match="over the GPU"):
+        UpConfig.from_args(
+            parse(UP_SETTINGS, "--device", "cuda", "--gpu-memory-utilization", "0.6"), {}
+        )
+    assert UpConfig.from_args(
+        parse(UP_SETTINGS, "--device", "cuda", "--gpus", "0,1"), {}
+    ).gpu_list() == [0, 1]
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = parser.parse_args(["--tp", "2", "--device", "cuda", "--model", str(tmp_path)])
+    with pytest.raises(ConfigError, match="on CUDA is not supported yet"):
+        worker_config.config_from_args(WorkerRole.DECODE, args, {})
+
+
+def test_the_layer_gate_does_nothing_once_closed() -> None:
+    from kvpush.connector.vllm.gate import LayerGate
+
+    handed: list[int] = []
+    gate = LayerGate(handed.append)
+    gate.close()
+    gate.record(3)  # no CUDA needed: a closed gate records nothing
+    gate.drain()
+    gate.close()
+    assert handed == []

@@ -237,8 +237,9 @@ class VllmSystem(System):
         started = time.monotonic()
 
         async def ready(spec: ServerSpec, process: Process) -> None:
+            since = started if not ctx.cuda else time.monotonic()  # cuda: from its own start
             await wait_http_ok(f"{spec.url}/health", [process], ctx.start_timeout_s)
-            self.start_s[spec.role] = time.monotonic() - started
+            self.start_s[spec.role] = time.monotonic() - since
             self._say(ctx, f"{spec.role} ready in {self.start_s[spec.role]:.1f} s")
 
         for spec in specs:
