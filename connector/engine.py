@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -26,10 +25,8 @@ import numpy as np
 from kvpush.connector.agent import AgentError, NixlAgent, XferStatus
 from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.layout import (
-    WHOLE,
     PoolLayout,
     Runs,
-    Slice,
     check_runs,
     descriptor_pair,
     descriptors_per_layer,
@@ -38,11 +35,13 @@ from kvpush.connector.layout import (
     segment_ids,
 )
 from kvpush.connector.peering import slice_diff
-from kvpush.connector.sidechannel import PeerInfo, TransportError
+from kvpush.connector.sidechannel import TransportError
 from kvpush.connector.transfer import (
     NOTICE_VERSION,
+    LegSpec,
     Notice,
     NoticeKind,
+    PeerLink,
     Posted,
     Role,
     Transfer,
@@ -55,26 +54,6 @@ from kvpush.schemas.messages import FailReason
 
 log = logging.getLogger(__name__)
 _S = TransferState
-
-
-class LegSpec(msgspec.Struct, frozen=True):
-    """How one initiator transfer meets its target when TP differs (defaults: equal TP): the
-    target's transfer id, the (our, their) slices of each block, our rank among the
-    ``senders`` ranks that write into that target."""
-
-    remote_id: str = ""
-    parts: tuple[Slice, Slice] = (WHOLE, WHOLE)
-    sender: int = 0
-    senders: int = 1
-
-
-@dataclass(eq=False)
-class PeerLink:
-    """A peer loaded into NIXL: what its side channel said, its agent name, its prepped list."""
-
-    info: PeerInfo
-    agent_name: str
-    prep: Any | None
 
 
 class TransferEngine:

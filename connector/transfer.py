@@ -24,6 +24,9 @@ finished (any notice) or the peer was declared lost. Failures are reported at on
 carries ``quiesced=False`` if requests are still in flight) and a second event follows when the
 transfer quiesces; only then may blocks be freed or reused.
 
+Also here: ``LegSpec`` (how an initiator transfer meets its target when TP differs) and
+``PeerLink`` (a peer loaded into NIXL), the values ``TransferEngine`` keeps with its transfers.
+
 Threading model: none here; ``Transfer`` objects are owned by ``TransferEngine`` (engine.py),
 which mutates them only under its lock.
 """
@@ -33,12 +36,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvpush.connector.agent import XferHandle
 from kvpush.connector.layout import WHOLE, Slice
+from kvpush.connector.sidechannel import PeerInfo
 from kvpush.schemas.messages import FailReason, LayerTiming
 
 NOTICE_VERSION = 1
@@ -254,3 +259,23 @@ class Transfer:
         elif self.state is TransferState.ABORTING and self.quiesced:
             self.to(TransferState.ABORTED, now, FailReason.ABORTED)
         # terminal already (EXPIRED/FAILED locally): only ``heard`` changes
+
+
+class LegSpec(msgspec.Struct, frozen=True):
+    """How one initiator transfer meets its target when TP differs (defaults: equal TP): the
+    target's transfer id, the (our, their) slices of each block, our rank among the
+    ``senders`` ranks that write into that target."""
+
+    remote_id: str = ""
+    parts: tuple[Slice, Slice] = (WHOLE, WHOLE)
+    sender: int = 0
+    senders: int = 1
+
+
+@dataclass(eq=False)
+class PeerLink:
+    """A peer loaded into NIXL: what its side channel said, its agent name, its prepped list."""
+
+    info: PeerInfo
+    agent_name: str
+    prep: Any | None

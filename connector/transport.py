@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent
-from kvpush.connector.engine import LegSpec, PeerLink, TransferEngine
+from kvpush.connector.engine import TransferEngine
 from kvpush.connector.layout import PoolLayout, Runs
 from kvpush.connector.layout import per_block_descs as _per_block_descs
 from kvpush.connector.peering import CompatInfo, compat_hash, geometry_diff
@@ -49,7 +49,7 @@ from kvpush.connector.sidechannel import (
     SideChannelServer,
     TransportError,
 )
-from kvpush.connector.transfer import Role, TransferEvent, TransferState
+from kvpush.connector.transfer import LegSpec, PeerLink, Role, TransferEvent, TransferState
 from kvpush.schemas.messages import FailReason
 
 log = logging.getLogger(__name__)

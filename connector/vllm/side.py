@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvpush.connector.bounded import BoundedDict
-from kvpush.connector.engine import LegSpec
 from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.peering import peer_ranks, tp_slices
-from kvpush.connector.transfer import InvalidTransition, TransferEvent, TransferState
+from kvpush.connector.transfer import InvalidTransition, LegSpec, TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 
