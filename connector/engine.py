@@ -115,9 +115,7 @@ class TransferEngine:
         check_runs(local_runs, self.layout.num_blocks, "local")
         segments = pair_runs(local_runs, remote_runs)
         t = self._new(transfer_id, role, peer, timeout_s, peer_epoch)
-        spec = link or LegSpec()
-        t.remote_id = spec.remote_id or transfer_id
-        t.parts, t.sender = spec.parts, (spec.sender, spec.senders)
+        t.leg = link or LegSpec()
         t.segments = segments
         t.local_ids, t.remote_ids = segment_ids(segments, 0), segment_ids(segments, 1)
         if peer in self.peers:
@@ -191,17 +189,18 @@ class TransferEngine:
             self._fail(t, now, FailReason.POST, str(exc))
             return
         remote = peer.info.pool
-        mismatch = slice_diff(self.layout, remote, *t.parts)
+        parts = t.leg.parts
+        mismatch = slice_diff(self.layout, remote, *parts)
         if mismatch:  # before any request: nothing was written
             self._fail(t, now, FailReason.INCOMPATIBLE, mismatch[0])
             return
-        whole = t.parts[0].whole and t.parts[1].whole
+        whole = parts[0].whole and parts[1].whole
         if self.local_prep is not None and peer.prep is not None and whole:
             t.local_index = layer_index_tables(self.layout, t.local_ids)
             t.remote_index = layer_index_tables(remote, t.remote_ids)
-        t.layer_descs = descriptors_per_layer(self.layout, remote, t.segments, t.parts)
+        t.layer_descs = descriptors_per_layer(self.layout, remote, t.segments, parts)
         t.layer_nbytes = [
-            int(t.local_ids.size) * self.layout.layer_bytes([layer]) // t.parts[0].parts
+            int(t.local_ids.size) * self.layout.layer_bytes([layer]) // parts[0].parts
             for layer in range(self.layout.num_layers)
         ]
         t.to(_S.READY, now)
@@ -253,7 +252,7 @@ class TransferEngine:
                     descs,
                 )
             else:
-                lrows, rrows = descriptor_pair(self.layout, remote, layers, t.segments, t.parts)
+                lrows, rrows = descriptor_pair(self.layout, remote, layers, t.segments, t.leg.parts)
                 handle, status = self.agent.post_rows(
                     op, lrows, rrows, peer.agent_name, self.layout.mem_type, nbytes
                 )
@@ -303,7 +302,10 @@ class TransferEngine:
         if peer is None:
             return False
         t.end_notice_sent = True
-        notice = Notice(NOTICE_VERSION, kind, t.remote_id or t.transfer_id, *t.sender)
+        leg = t.leg
+        notice = Notice(
+            NOTICE_VERSION, kind, leg.remote_id or t.transfer_id, leg.sender, leg.senders
+        )
         try:
             self.agent.notify(peer.agent_name, notice_encoder.encode(notice))
         except AgentError as exc:

@@ -144,9 +144,7 @@ class Transfer:
     created: float
     deadline: float
     peer_epoch: int | None = None
-    remote_id: str = ""  # initiator: the target's id of this transfer (notices carry it)
-    parts: tuple[Slice, Slice] = (WHOLE, WHOLE)  # initiator: (our, the peer's) slice of a block
-    sender: tuple[int, int] = (0, 1)  # initiator: our rank, how many ranks send to the target
+    leg: LegSpec = field(default_factory=lambda: LegSpec())  # initiator: how it meets its target
     state: TransferState = TransferState.WAITING_PEER
     reason: FailReason | None = None
     detail: str = ""

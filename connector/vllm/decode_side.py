@@ -60,7 +60,6 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         super().__init__(settings, transport, bus, runtime, rank)
         self.block_size = block_size
         self._probing: set[str] = set()  # suspected peers being probed
-        self._leg_of: dict[str, tuple[str, int]] = {}  # pull leg's transport id -> (tid, P rank)
         me = settings.worker_id
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
         bus.subscribe(subjects.kv_failed(me), self.on_bus)
@@ -148,7 +147,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
             del inc.legs.by_rank[ready.rank]
             self._give_up(inc, f"pull failed to start: {exc}")
             return
-        self._leg_of[leg.transport_id] = (w.params.transfer_id, ready.rank)
+        self._leg_started(w.params.transfer_id, leg)
 
     def _give_up(self, inc: Incoming, why: str) -> None:
         """Pull cannot go on: compute locally. Nothing posted yet: settle now; else stop the
@@ -358,8 +357,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         with self.lock:
             self._probe_suspects()
             for event in events:
-                tid, p_rank = self._leg_of.get(event.transfer_id, (event.transfer_id, -1))
-                inc = self._by_tid.get(tid)
+                inc, p_rank = self._event_of(event)
                 if inc is None:
                     continue
                 leg = inc.legs.by_rank.get(p_rank)
@@ -400,6 +398,4 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 else:
                     finished.add(req_id)
                 self._forget(tid)
-                for leg in inc.legs.by_rank.values():
-                    self._leg_of.pop(leg.transport_id, None)
         return finished, failed

@@ -68,7 +68,6 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         self.num_layers = num_layers
         self.block_size = block_size
         self._tid_of: dict[str, str] = {}  # req_id -> transfer_id
-        self._leg_of: dict[str, tuple[str, int]] = {}  # leg's transport id -> (tid, D rank)
         self._completing: list[Outgoing] = []
         bus.subscribe(subjects.blocks(settings.worker_id), self.on_bus)
         bus.subscribe(subjects.abort(settings.worker_id), self.on_bus)
@@ -158,10 +157,11 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         first = ann.first_token // self.block_size
         last = -(-out.num_tokens // self.block_size)
         local = out.block_ids[first:last]
-        if ann.num_tokens != out.num_tokens or len(local) != len(runs_to_ids(ann.block_runs)):
+        announced = len(runs_to_ids(ann.block_runs))
+        if ann.num_tokens != out.num_tokens or len(local) != announced:
             detail = (
-                f"decode announced {ann.num_tokens} tokens / {len(runs_to_ids(ann.block_runs))}"
-                f" blocks; prefill has {out.num_tokens} tokens / {len(local)} blocks"
+                f"decode announced {ann.num_tokens} tokens / {announced} blocks; prefill has"
+                f" {out.num_tokens} tokens / {len(local)} blocks"
             )
             self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, detail)
             return
@@ -189,7 +189,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             del out.legs.by_rank[ann.rank]
             self._stop(out, TransferState.FAILED, FailReason.HANDSHAKE, str(exc)[:300])
             return
-        self._leg_of[leg.transport_id] = (tid, ann.rank)
+        self._leg_started(tid, leg)
         if out.state is OutgoingState.WAITING:
             out.advance(OutgoingState.STREAMING)
             hint = KvPushing(
@@ -347,8 +347,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         """Apply transport events and finished requests; return req ids whose blocks may go."""
         with self.lock:
             for event in events:
-                tid, d_rank = self._leg_of.get(event.transfer_id, (event.transfer_id, -1))
-                out = self._by_tid.get(tid)
+                out, d_rank = self._event_of(event)
                 if out is None:
                     continue
                 if out.params.mode is TransferMode.PULL:
@@ -387,6 +386,4 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                     released.add(out.req_id)
                     self._forget(tid)
                     self._tid_of.pop(out.req_id, None)
-                    for leg in out.legs.by_rank.values():
-                        self._leg_of.pop(leg.transport_id, None)
             return released

@@ -156,6 +156,7 @@ class SideBase(Generic[Entry, Message]):
         # transfers already ended here: a late message of another peer rank is dropped, so
         # it cannot take an early slot from a transfer still to come
         self._ended: BoundedDict[str, bool] = BoundedDict(settings.max_pending_announcements)
+        self._leg_of: dict[str, tuple[str, int]] = {}  # a leg's transport id -> (tid, peer rank)
 
     def mine(self, message: object) -> bool:
         """Is ``message`` (from a peer rank) for this rank? (``rank`` None: every rank.)"""
@@ -189,6 +190,19 @@ class SideBase(Generic[Entry, Message]):
         for message in self._early.pop(transfer_id, None) or []:
             self._apply(entry, message)
 
+    def _leg_started(self, transfer_id: str, leg: Leg) -> None:
+        """``leg`` of ``transfer_id`` runs in the transport: its events name it."""
+        self._leg_of[leg.transport_id] = (transfer_id, leg.peer_rank)
+
+    def _event_of(self, event: TransferEvent) -> tuple[Entry | None, int]:
+        """The entry a transport event belongs to and the peer rank of its leg (-1: not a
+        leg's event, e.g. a target's)."""
+        tid, peer_rank = self._leg_of.get(event.transfer_id, (event.transfer_id, -1))
+        return self._by_tid.get(tid), peer_rank
+
     def _forget(self, transfer_id: str) -> None:
-        del self._by_tid[transfer_id]
+        entry = self._by_tid.pop(transfer_id)
         self._ended[transfer_id] = True
+        legs: Legs | None = getattr(entry, "legs", None)
+        for leg in legs.by_rank.values() if legs is not None else ():
+            self._leg_of.pop(leg.transport_id, None)
