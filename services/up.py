@@ -139,8 +139,6 @@ class Stack:
         roles += [("decode", i) for i in range(cfg.decode)]
         first = 0
         gpus = cfg.gpu_list()
-        per_gpu = -(-len(roles) // len(gpus)) if gpus else 1
-        share = cfg.gpu_memory_utilization or round(0.85 / per_gpu, 3)
         cuda = worker_config.resolve_device(cfg.device) == "cuda"
         for n, (role, i) in enumerate(roles):
             # a worker gets one core per rank, in turn, wrapping around; on a GPU host (the
@@ -156,7 +154,7 @@ class Stack:
             argv += ["--device", cfg.device]
             gpu = gpus[n % len(gpus)] if cuda and gpus else None
             if gpu is not None:
-                argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(share)]
+                argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share())]
             for flag, value in (("--load-format", cfg.load_format), ("--dtype", cfg.dtype)):
                 if value:
                     argv += [flag, value]

@@ -68,12 +68,18 @@ class UpConfig:
         gpus = self.gpu_list()
         if not gpus:
             raise ConfigError("--gpus needs at least one GPU index, e.g. 0 or 0,1")
-        per_gpu = -(-(self.prefill + self.decode) // len(gpus))
-        share = self.gpu_memory_utilization
+        share, per_gpu = self.gpu_memory_utilization, self.engines_per_gpu()
         if share is not None and share * per_gpu > 0.95:
             raise ConfigError(
                 f"--gpu-memory-utilization {share} x {per_gpu} engines per GPU is over the GPU"
             )
+
+    def engines_per_gpu(self) -> int:
+        return -(-(self.prefill + self.decode) // max(1, len(self.gpu_list())))
+
+    def gpu_share(self) -> float:
+        """Each engine's share of its GPU: as given, else 0.85 split between a GPU's engines."""
+        return self.gpu_memory_utilization or round(0.85 / self.engines_per_gpu(), 3)
 
     def gpu_list(self) -> list[int]:
         try:

@@ -100,6 +100,7 @@ class Worker:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._free_blocks = 0
         self._draining = False
+        self._closing = False  # cleanup began: the heartbeat loop ends
         self._stop = asyncio.Event()
 
     @property
@@ -190,16 +191,19 @@ class Worker:
 
     async def cleanup(self) -> None:
         if self._heartbeat_task is not None:
+            # with NATS gone a beat sits in nats-py's own timeouts, which can swallow a cancel
+            # (asyncio.wait_for before 3.12): the loop also ends on _closing, and we wait a
+            # bounded time (a worker stuck here after SIGTERM was seen in a bench test)
+            self._closing = True
             self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-        if self._registry is not None:
+            await asyncio.wait({self._heartbeat_task}, timeout=self.config.heartbeat_s + 5.0)
+        if self._registry is not None:  # bounded: NATS may be gone already
             with contextlib.suppress(Exception):
-                await self._registry.delete(self.role, self.worker_id)
+                await asyncio.wait_for(self._registry.delete(self.role, self.worker_id), 5.0)
         await asyncio.to_thread(self.host.stop)
         if self._bus is not None:
             with contextlib.suppress(Exception):
-                await self._bus.drain()
+                await asyncio.wait_for(self._bus.drain(), 5.0)
 
     async def run(self) -> int:
         """setup -> start -> (SIGTERM/SIGINT) -> drain -> cleanup; 0 on a clean stop, 1 when
@@ -357,7 +361,7 @@ class Worker:
         return await self._registry.entries(role) if self._registry is not None else []
 
     async def _heartbeats(self) -> None:
-        while True:
+        while not self._closing:
             await self._beat()
             await asyncio.sleep(self.config.heartbeat_s)
 
