@@ -23,7 +23,7 @@ from kvpush.connector.layout import (
 from kvpush.connector.link import EngineLink
 from kvpush.connector.params import ConnectorSettings, TransferParams, read_params, timing_of
 from kvpush.connector.peering import CompatInfo, compat_hash
-from kvpush.connector.poller import Poller
+from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
 from kvpush.connector.tracing import (
     configure_tracing,
@@ -36,6 +36,7 @@ from kvpush.connector.tracing import (
 )
 from kvpush.connector.transfer import Role, TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport, TransportConfig
+from kvpush.connector.vllm.gate import LayerGate
 from kvpush.connector.vllm.runtime import ConnectorInfo
 
 VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
@@ -64,6 +65,7 @@ __all__ = [
     "IncompatiblePeerError",
     "KvRegion",
     "KvTransport",
+    "LayerGate",
     "MemType",
     "NixlAgent",
     "Poller",
@@ -88,4 +90,5 @@ __all__ = [
     "shutdown_tracing",
     "timing_of",
     "tracing_on",
+    "worker_intervals",
 ]

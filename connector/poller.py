@@ -19,6 +19,16 @@ from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport
 
 
+def worker_intervals() -> dict[str, float]:
+    """The intervals of a kvpush worker's Poller (``kvpush bench transport`` measures with them).
+
+    Idle polls (nothing live, no notice imminent) every 50 ms: a decode engine waiting for a
+    prefill costs almost nothing; KvPushing switches D to ``target`` polls for the notice, and P
+    polls its live WRITEs at ``target`` while the prefill computes and at ``busy`` once the last
+    layer is posted (the push tail)."""
+    return {"busy_interval_s": 0.0005, "target_interval_s": 0.001, "idle_interval_s": 0.05}
+
+
 class Poller:
     """Calls ``transport.poll()`` from its own thread; events land in a bounded queue."""
 

@@ -30,7 +30,7 @@ from kvpush.connector.bus import BusConfig
 from kvpush.connector.layout import MemType, pool_layout
 from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.peering import CompatInfo, paged_layout_name
-from kvpush.connector.poller import Poller
+from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.decode_side import DecodeSide
@@ -98,11 +98,7 @@ class WorkerHalf:
             layout,
         )
         rt = self.runtime
-        # idle polls (nothing live, no notice imminent) every 50 ms: a decode engine waiting for a
-        # prefill costs almost nothing; KvPushing switches it to 1 ms polls for the notice
-        self.poller = Poller(
-            self.transport, busy_interval_s=0.0005, idle_interval_s=0.05, on_events=rt.notify
-        )
+        self.poller = Poller(self.transport, **worker_intervals(), on_events=rt.notify)
         self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
         rank = Rank(self.rank, self.tp_size)
         if s.role is WorkerRole.PREFILL:

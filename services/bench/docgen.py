@@ -18,6 +18,7 @@ Threading model: plain functions, no state.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -26,8 +27,10 @@ from pathlib import Path
 
 
 def revision() -> str:
-    """The checkout's short commit, ``-dirty`` when tracked files differ from it (``-`` outside
-    git), to stamp a run with the code it ran."""
+    """The checkout's short commit, ``-dirty`` when tracked files differ from it, to stamp a run
+    with the code it ran; outside git (a copied tree, e.g. on a lent GPU host) the commit given
+    in ``KVPUSH_REVISION``, else ``-``."""
+    given = os.environ.get("KVPUSH_REVISION", "").strip() or "-"
     try:
         found = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"],
@@ -36,8 +39,8 @@ def revision() -> str:
             timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
-        return "-"
-    return found.stdout.strip() or "-"
+        return given
+    return (found.stdout.strip() if found.returncode == 0 else "") or given
 
 
 def stamp() -> str:

@@ -1,27 +1,34 @@
 """Transport benchmark: kvpush push/pull between two processes vs a raw NIXL WRITE and memcpy.
 
-KV of the bench model (kvpush model bench: 8 layers, 4 KV heads, head_dim 64, fp32, block size
-128, vLLM CPU layout: one [blocks, kv_heads, 128, 2*head_dim] tensor per layer, 256 KiB per
-layer per block) at 512, 2048 and 8192 tokens. This process is the prefill side; a spawned child
-is the decode side. For every case, after one verified warm-up (byte-exact digests), the median
-over --repeats of (each op starts with caches swept cold):
+The KV pools (``transport_side.py``): --device cpu, the bench model's KV in vLLM's CPU layout;
+--device cuda, the Llama-3-8B shape's KV (16 MiB per 128-token block) in vLLM's FlashAttention
+layout on one GPU. Cases of 512, 2048 and 8192 tokens (128-token blocks). This process is the
+prefill side; a spawned child is the decode side (its Poller polls as a kvpush worker's does).
+For every case, after one verified warm-up (byte-exact digests), the median over --repeats of
+(each op starts with caches swept cold):
 
   push       one WRITE per layer (push_layers after each layer) + finish: P blocks [0, n) into D
-             blocks [8, 8+n), one descriptor per layer; timed from the first post until poll()
-             reports DONE (every WRITE done, completion notice sent). start_push (announcement
-             arrived, prefill still computing: off the critical path) is timed on its own, and
-             so is the tail: last post -> DONE, what a streamed push adds after the last layer
+             blocks [8, 8+n); timed from the first post until poll() reports DONE (every WRITE
+             done, completion notice sent). start_push (announcement arrived, prefill still
+             computing: off the critical path) is timed on its own, and so is the tail: last
+             post -> DONE
   push-1req  the same bytes in one request, timed from start_push (announcement arrived after
              prefill ended: everything is on the critical path)
-  push-frag  one request per layer into D blocks in 2-block runs (n/2 descriptors per layer)
+  push-frag  one request per layer into D blocks in 2-block runs
   pull       one READ of all layers + the notice to the block owner (the KvReady flow)
   raw        one single-descriptor NIXL WRITE of the same bytes between two plain buffers;
              also as one such WRITE per layer-sized chunk (push's request structure), and one
              single-descriptor READ (pull's comparison)
-  memcpy     numpy copy of the same bytes inside one process
+  memcpy     a copy of the same bytes inside one process (numpy; cuda: device to device)
+  stream     the push as the connector runs it in serving: announcement first, each layer
+             pushed once computed (--layer-ms of compute per layer; on CUDA the layer gate's
+             thread posts once the GPU ran the layer, as in serving), both sides driven by
+             Pollers with a worker's intervals (--poll-us overrides them). Reports the
+             forward thread's cost per layer and the tail from the last layer computed to P's
+             DONE and to D seeing it: the push's fixed cost per transfer on the critical path
 
 GB/s are 1e9 bytes per second. --json OUT writes {"cases": [{"tokens", "push_GBps",
-"pull_GBps", "raw_GBps", "memcpy_GBps", ...}]}.
+"pull_GBps", "raw_GBps", "memcpy_GBps", "stream_d_tail_us", ...}]}.
 """
 
 from __future__ import annotations
@@ -33,8 +40,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-BLOCK_SIZE = 128
-FIRST_REMOTE = 8  # D's blocks start here: an offset, as after other requests
+from kvpush.services.bench.transport_side import (
+    BLOCK_SIZE,
+    FIRST_REMOTE,
+    POLL_KEYS,
+    Side,
+    decode_side,
+    intervals,
+    make_setup,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +78,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt lengths (multiples of 128)",
     )
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the KV lives: cpu (the bench model's KV, numpy) or cuda (the Llama-3-8B "
+        "shape's KV in vLLM's FlashAttention layout on --gpu, torch; READs with cuda_ipc "
+        "GET zero-copy on)",
+    )
+    parser.add_argument("--gpu", type=int, default=0, help="cuda: the GPU of both sides")
+    parser.add_argument(
+        "--layer-ms",
+        type=float,
+        default=1.0,
+        help="the streamed case: one layer's compute in ms (default 1.0; an 8B prefill of 2k "
+        "tokens on an H200 is ~1.6 ms a layer)",
+    )
+    parser.add_argument(
+        "--poll-us",
+        metavar="BUSY,TARGET",
+        default=None,
+        help="the streamed case: the pollers' busy and target intervals in us (default: what "
+        "a kvpush worker uses)",
+    )
+    parser.add_argument(
+        "--stream-only",
+        action="store_true",
+        help="measure the streamed case alone (and one idle poll's cost): to compare settings",
+    )
+    parser.add_argument(
         "--error-mode",
         choices=["none", "peer"],
         default="none",
@@ -77,125 +119,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _setup(args: argparse.Namespace) -> dict[str, Any]:
-    from kvpush.services.models import BENCH
-
-    most = max(args.tokens) // BLOCK_SIZE
-    return {
-        "layers": BENCH.layers,
-        "kv_heads": BENCH.kv_heads,
-        "head_dim": BENCH.head_dim,
-        "num_blocks": FIRST_REMOTE + 3 * most,  # push/frag span [8, 8+2n); pull reads after
-        "raw_bytes": most * BENCH.layers * BENCH.kv_heads * BLOCK_SIZE * 2 * BENCH.head_dim * 4,
-        "backend_params": {"ucx_error_handling_mode": args.error_mode},
-        "prep_limit": 0 if args.descriptors == "rows" else 1 << 18,
-    }
-
-
-def _side(setup: dict[str, Any], name: str, seed: int) -> tuple[Any, list[Any], Any, Any]:
-    """A transport over random pools plus a raw NIXL agent with one registered buffer."""
-    import numpy as np
-
-    from kvpush.connector import (
-        AgentConfig,
-        CompatInfo,
-        KvTransport,
-        MemType,
-        NixlAgent,
-        TransportConfig,
-        pool_layout,
-    )
-
-    rng = np.random.default_rng(seed)
-    shape = (setup["num_blocks"], setup["kv_heads"], BLOCK_SIZE, 2 * setup["head_dim"])
-    pools = [rng.standard_normal(shape, dtype=np.float32) for _ in range(setup["layers"])]
-    compat = CompatInfo(
-        model="kvpush-bench", dtype="float32", block_size=BLOCK_SIZE, layout="cpu-kv-concat"
-    )
-    transport = KvTransport(
-        TransportConfig(
-            worker_id=name,
-            compat=compat,
-            backend_params=setup["backend_params"],
-            prep_limit=setup["prep_limit"],
-        ),
-        pool_layout([[p] for p in pools]),
-    )
-    raw = NixlAgent(AgentConfig(name=f"{name}-raw", backend_params=setup["backend_params"]))
-    buf = np.frombuffer(rng.bytes(setup["raw_bytes"]), dtype=np.uint8).copy()
-    raw.register_rows(np.array([[buf.ctypes.data, buf.nbytes, 0]], np.uint64), MemType.DRAM)
-    return transport, pools, raw, buf
-
-
-def _digest(pools: list[Any], runs: list[list[int]]) -> str:
-    import hashlib
-
-    from kvpush.connector import runs_to_ids
-
-    ids = runs_to_ids(runs)
-    h = hashlib.sha256()
-    for pool in pools:
-        h.update(pool[ids].tobytes())
-    return h.hexdigest()
-
-
-def _decode_side(conn: Any, setup: dict[str, Any]) -> None:
-    """The child: serves its pool, expects transfers, reports when each one ended."""
-    import msgspec
-
-    transport, pools, raw, buf = _side(setup, "bench-d", seed=2)
-    ended: dict[str, tuple[str, float]] = {}
-    conn.send_bytes(
-        msgspec.msgpack.encode(
-            [transport.address, transport.epoch, raw.metadata(), buf.ctypes.data]
-        )
-    )
-    while True:
-        for event in transport.poll():
-            ended[event.transfer_id] = (event.state.value, time.monotonic())
-        raw.notifications()  # the raw agent's progress (needed in UCX peer mode)
-        if not conn.poll(0.0002):
-            continue
-        cmd, *rest = msgspec.msgpack.decode(conn.recv_bytes())
-        if cmd == "stop":
-            break
-        if cmd == "expect":
-            transport.expect(rest[0], 30.0)
-            reply: Any = "ok"
-        elif cmd == "wait":
-            limit = time.monotonic() + 10.0
-            while rest[0] not in ended and time.monotonic() < limit:
-                for event in transport.poll():
-                    ended[event.transfer_id] = (event.state.value, time.monotonic())
-            reply = ended.pop(rest[0], ("timeout", 0.0))
-        elif cmd == "digest":
-            reply = _digest(pools, rest[0])
-        else:
-            reply = f"unknown command {cmd}"
-        conn.send_bytes(msgspec.msgpack.encode(reply))
-    transport.close()
-    raw.close()
-
-
 class _Bench:
     """The prefill side: the transport, the raw agent, the control pipe, the timed ops."""
 
     def __init__(self, setup: dict[str, Any], conn: Any) -> None:
         import msgspec
-        import numpy as np
 
-        from kvpush.connector import MemType
-
-        self.np, self.msgpack, self.mem = np, msgspec.msgpack, MemType.DRAM
-        self.conn = conn
-        self.layers = setup["layers"]
-        self.transport, self.pools, self.raw, self.src = _side(setup, "bench-p", seed=1)
-        self.dst = np.zeros_like(self.src)  # memcpy target, faulted in below
-        self.dst[:] = 1
-        self.scratch = np.ones(64 << 20, dtype=np.uint8)  # 2x this box's L3
+        self.msgpack = msgspec.msgpack
+        self.conn, self.setup = conn, setup
+        self.side = Side(setup, "bench-p", seed=1)
+        self.transport, self.layers = self.side.transport, self.side.layers
         address, epoch, raw_md, self.raw_dst = self.msgpack.decode(conn.recv_bytes())
         self.address, self.epoch = address, epoch
-        self.raw_peer = self.raw.add_peer(raw_md)
+        self.raw_peer = self.side.raw.add_peer(raw_md)
         self.transport.connect(address, epoch)
         self.seq = 0
 
@@ -256,31 +192,80 @@ class _Bench:
         elapsed = done - (t0 if from_start else t1)
         return elapsed, t1 - t0, event.descriptors, max(0.0, (seen - ended) * 1e3), done - last
 
+    def stream(self, blocks: int, remote: list[list[int]], layer_s: float) -> dict[str, float]:
+        """A push as in serving: the announcement first, then layer by layer as each is
+        computed (``spin``), posted the way the connector posts (on CUDA by the layer gate's
+        thread once the GPU ran the layer; on CPU inline), both sides driven by Pollers with
+        a worker's intervals. Returns the forward thread's cost per layer (``record`` on CUDA,
+        ``push_layers`` on CPU) and the tail: last layer computed -> P's DONE / D saw it."""
+        from kvpush.connector import LayerGate, Poller
+
+        tid, last = self._tid(), self.layers - 1
+        self.ctl("expect", tid)
+        self.transport.start_push(tid, self.address, remote, [[0, blocks]], 30.0, self.epoch)
+        ready: dict[int, float] = {}
+        done: dict[str, Any] = {}
+
+        def on_ready(layer: int) -> None:
+            ready[layer] = time.monotonic()
+            self.transport.push_layers(tid, [layer])
+            if layer == last:
+                self.transport.finish(tid)
+
+        def on_events() -> None:
+            now = time.monotonic()
+            while not poller.events.empty():
+                event = poller.events.get_nowait()
+                done[event.transfer_id] = (event, now)
+
+        poller = Poller(self.transport, **self.setup["intervals"], on_events=on_events)
+        gate = LayerGate(on_ready) if self.side.cuda else None
+        try:
+            forward = 0.0
+            for layer in range(self.layers):
+                self.side.spin(layer_s)
+                t0 = time.perf_counter()
+                if gate is not None:
+                    gate.record(layer)
+                else:
+                    on_ready(layer)
+                forward += time.perf_counter() - t0
+            if gate is not None:
+                gate.drain()
+            limit = time.monotonic() + 30.0
+            while tid not in done and time.monotonic() < limit:
+                time.sleep(0.0001)
+        finally:
+            if gate is not None:
+                gate.close()
+            poller.stop()
+        if tid not in done:
+            raise TimeoutError(f"streamed push {tid} did not end")
+        event, p_done = done[tid]
+        state, seen = self.ctl("wait", tid)
+        if event.state.value != "done" or state != "done":
+            raise RuntimeError(f"stream {tid} ended {event.state.value}/{state}: {event.detail}")
+        return {
+            "forward_us": forward / self.layers * 1e6,
+            "p_tail_us": (p_done - ready[last]) * 1e6,
+            "d_tail_us": (seen - ready[last]) * 1e6,
+        }
+
     def raw_op(self, nbytes: int, op: str = "WRITE", requests: int = 1) -> float:
         """``requests`` single-descriptor requests back to back over ``nbytes`` (plain buffers)."""
         from kvpush.connector import XferStatus
 
-        chunk = nbytes // requests
+        raw, chunk = self.side.raw, nbytes // requests
         t0 = time.perf_counter()
         for i in range(requests):
-            row = self.np.array([[self.src.ctypes.data + i * chunk, chunk, 0]], self.np.uint64)
-            far = self.np.array([[self.raw_dst + i * chunk, chunk, 0]], self.np.uint64)
-            handle, status = self.raw.post_rows(op, row, far, self.raw_peer, self.mem, chunk)
+            row = self.side.raw_row(i * chunk, chunk)
+            far = self.side.raw_row(i * chunk, chunk, base=self.raw_dst)
+            handle, status = raw.post_rows(op, row, far, self.raw_peer, self.side.mem, chunk)
             while status is XferStatus.PROC:
-                status, _ = self.raw.status(handle)
-            self.raw.release(handle)
+                status, _ = raw.status(handle)
+            raw.release(handle)
             if status is not XferStatus.DONE:
                 raise RuntimeError(f"raw {op} failed")
-        return time.perf_counter() - t0
-
-    def cold(self) -> None:
-        """Sweep a buffer twice the L3 so every timed op starts with cold caches (otherwise an
-        op that follows one reading the same blocks runs faster: order, not transport)."""
-        self.scratch += 1
-
-    def memcpy(self, nbytes: int) -> float:
-        t0 = time.perf_counter()
-        self.np.copyto(self.dst[:nbytes], self.src[:nbytes])
         return time.perf_counter() - t0
 
     def verify(self, blocks: int, frag: list[list[int]], tail: list[list[int]]) -> None:
@@ -288,10 +273,15 @@ class _Bench:
         checks = (("push", [[FIRST_REMOTE, blocks]]), ("push", frag), ("pull", tail))
         for op, remote in checks:
             self.kv(op, blocks, remote, per_layer if op == "push" else [list(range(self.layers))])
-            if self.ctl("digest", remote) != _digest(self.pools, [[0, blocks]]):
+            if self.ctl("digest", remote) != self.side.digest([[0, blocks]]):
                 raise RuntimeError(f"{op} into {remote[:2]}... is not byte-exact")
+        self.stream(blocks, [[FIRST_REMOTE, blocks]], 0.0)
+        if self.ctl("digest", [[FIRST_REMOTE, blocks]]) != self.side.digest([[0, blocks]]):
+            raise RuntimeError("the streamed push is not byte-exact")
 
-    def case(self, tokens: int, repeats: int) -> dict[str, Any]:
+    def case(
+        self, tokens: int, repeats: int, layer_s: float, stream_only: bool = False
+    ) -> dict[str, Any]:
         import statistics
 
         blocks = tokens // BLOCK_SIZE
@@ -302,6 +292,8 @@ class _Bench:
         per_layer = [[i] for i in range(self.layers)]
         every = [list(range(self.layers))]
         self.verify(blocks, frag, pull_src)
+        if stream_only:
+            return self._stream_case(tokens, nbytes, repeats, layer_s)
         keys = (
             "push",
             "push_1req",
@@ -315,9 +307,10 @@ class _Bench:
             "push_tail",
         )
         runs: dict[str, list[float]] = {k: [] for k in keys}
+        streamed: dict[str, list[float]] = {"forward_us": [], "p_tail_us": [], "d_tail_us": []}
         notify, descs = [], {}
         for _ in range(repeats):
-            self.cold()
+            self.side.cold()
             seconds, start, descs["push"], ms, last = self.kv(
                 "push", blocks, straight, per_layer, from_start=False
             )
@@ -325,23 +318,26 @@ class _Bench:
             runs["push_start"].append(start)
             runs["push_tail"].append(last)
             notify.append(ms)
-            self.cold()
+            self.side.cold()
             runs["push_1req"].append(self.kv("push", blocks, straight, every)[0])
-            self.cold()
+            self.side.cold()
             seconds, _, descs["frag"], _, _ = self.kv(
                 "push", blocks, frag, per_layer, from_start=False
             )
             runs["push_frag"].append(seconds)
-            self.cold()
+            self.side.cold()
             runs["pull"].append(self.kv("pull", blocks, pull_src, every)[0])
             for key, op in (
                 ("raw", lambda: self.raw_op(nbytes)),
                 ("raw_layered", lambda: self.raw_op(nbytes, requests=self.layers)),
                 ("raw_read", lambda: self.raw_op(nbytes, "READ")),
-                ("memcpy", lambda: self.memcpy(nbytes)),
+                ("memcpy", lambda: self.side.copy(nbytes)),
             ):
-                self.cold()
+                self.side.cold()
                 runs[key].append(op())
+            self.side.cold()
+            for key, value in self.stream(blocks, straight, layer_s).items():
+                streamed[key].append(value)
         med = {k: statistics.median(v) for k, v in runs.items()}
         out: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes}
         for key, seconds in med.items():
@@ -356,12 +352,37 @@ class _Bench:
             push_vs_raw_layered=round(med["raw_layered"] / med["push"], 3),
             pull_vs_raw_read=round(med["raw_read"] / med["pull"], 3),
         )
+        for key, values in streamed.items():
+            out[f"stream_{key}"] = round(statistics.median(values), 1)
+        return out
+
+    def _stream_case(
+        self, tokens: int, nbytes: int, repeats: int, layer_s: float
+    ) -> dict[str, Any]:
+        """``--stream-only``: the streamed push alone, and what one idle ``poll()`` costs."""
+        import statistics
+
+        streamed: dict[str, list[float]] = {"forward_us": [], "p_tail_us": [], "d_tail_us": []}
+        for _ in range(repeats):
+            self.side.cold()
+            for key, value in self.stream(
+                tokens // BLOCK_SIZE, [[FIRST_REMOTE, tokens // BLOCK_SIZE]], layer_s
+            ).items():
+                streamed[key].append(value)
+        polls = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            self.transport.poll()
+            polls.append((time.perf_counter() - t0) * 1e6)
+        out: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes}
+        for key, values in streamed.items():
+            out[f"stream_{key}"] = round(statistics.median(values), 1)
+        out["idle_poll_us"] = round(statistics.median(polls), 1)
         return out
 
     def close(self) -> None:
         self.conn.send_bytes(self.msgpack.encode(["stop"]))
-        self.transport.close()
-        self.raw.close()
+        self.side.close()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -375,10 +396,19 @@ def main(args: argparse.Namespace) -> int:
     if any(t % BLOCK_SIZE or t <= 0 for t in args.tokens):
         print(f"--tokens must be positive multiples of {BLOCK_SIZE}")
         return 2
-    setup = _setup(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("kvpush bench transport: --device cuda, but torch sees no CUDA device")
+            return 2
+    setup = make_setup(
+        args.device, args.gpu, args.tokens, args.error_mode, args.descriptors == "prepped"
+    )
+    setup["intervals"] = intervals(args.poll_us)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(child, setup), daemon=True)
+    proc = ctx.Process(target=decode_side, args=(child, setup), daemon=True)
     proc.start()
     bench = None
     try:
@@ -386,20 +416,29 @@ def main(args: argparse.Namespace) -> int:
             raise TimeoutError("decode side did not start")
         bench = _Bench(setup, parent)
         started = time.monotonic()
-        cases = [bench.case(tokens, args.repeats) for tokens in args.tokens]
+        layer_s = args.layer_ms / 1e3
+        cases = [
+            bench.case(tokens, args.repeats, layer_s, args.stream_only) for tokens in args.tokens
+        ]
         print(
-            f"kvpush bench transport: two processes, UCX error mode {args.error_mode}, "
-            f"{args.descriptors} descriptors, median of {args.repeats} "
+            f"kvpush bench transport: two processes on {args.device}, UCX error mode "
+            f"{args.error_mode}, {args.descriptors} descriptors, median of {args.repeats} "
             f"({time.monotonic() - started:.1f}s, load {os.getloadavg()[0]:.2f})"
         )
         elapsed_s, load = time.monotonic() - started, os.getloadavg()[0]
-        print(transport_report.table(cases))
+        settings = {
+            "device": args.device,
+            "error_mode": args.error_mode,
+            "descriptors": args.descriptors,
+            "repeats": args.repeats,
+            "layer_ms": args.layer_ms,
+            "poll_us": [round(setup["intervals"][k] * 1e6, 1) for k in POLL_KEYS],
+        }
+        cases = [{**case, **settings} for case in cases]
+        if not args.stream_only:
+            print(transport_report.table(cases))
+        print(transport_report.stream_table(cases))
         if args.json:
-            settings = {
-                "error_mode": args.error_mode,
-                "descriptors": args.descriptors,
-                "repeats": args.repeats,
-            }
             meta = {
                 "date": docgen.stamp(),
                 "kvpush_rev": docgen.revision(),
@@ -407,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
                 "elapsed_s": round(elapsed_s, 1),
                 "load_avg": round(load, 2),
             }
-            document = {"meta": meta, "cases": [{**case, **settings} for case in cases]}
+            document = {"meta": meta, "cases": cases}
             with open(args.json, "w") as f:
                 json.dump(document, f, indent=1)
         return 0

@@ -42,6 +42,14 @@ RATIOS = (  # (header, numerator, denominator): GB/s against GB/s
     ("pull / raw READ", "pull_GBps", "raw_read_GBps"),
     ("pull / raw WRITE", "pull_GBps", "raw_GBps"),
 )
+STREAM_COLUMNS = (  # the streamed push (cases of runs that measured it)
+    ("tokens", "{tokens}"),
+    ("layer compute ms", "{layer_ms:g}"),
+    ("forward thread us per layer", "{stream_forward_us:.1f}"),
+    ("last layer -> P's DONE us", "{stream_p_tail_us:.0f}"),
+    ("last layer -> D saw DONE us", "{stream_d_tail_us:.0f}"),
+    ("poll busy/target us", "{poll}"),
+)
 REPORT_COMMAND = (
     "kvpush bench transport --report docs/benchmarks/transport --doc docs/benchmarks/transport.md"
 )
@@ -56,7 +64,23 @@ def table(cases: Sequence[dict[str, Any]]) -> str:
     return docgen.table([h for h, _ in COLUMNS], rows)
 
 
-SETTINGS = ("error_mode", "descriptors", "repeats")  # what runs must share to be summarised
+def stream_table(cases: Sequence[dict[str, Any]]) -> str:
+    """The streamed push of each case ("" when the cases did not measure it)."""
+    if not cases or any("stream_d_tail_us" not in c for c in cases):
+        return ""
+    rows = []
+    for case in cases:
+        poll = "/".join(f"{x:g}" for x in case.get("poll_us", ())) or "-"
+        rows.append([f.format(**{**case, "poll": poll}) for _, f in STREAM_COLUMNS])
+    return docgen.table([h for h, _ in STREAM_COLUMNS], rows)
+
+
+SETTINGS = (
+    "device",
+    "error_mode",
+    "descriptors",
+    "repeats",
+)  # what runs must share to be summarised
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
@@ -94,7 +118,14 @@ def _median_case(cases: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def summary(runs: Sequence[dict[str, Any]]) -> str:
     """The committed section: medians over runs, ratio spreads, and the runs themselves."""
     grouped = _by_tokens(runs)
-    medians = table([_median_case(cases) for cases in grouped.values()])
+    median_cases = [_median_case(cases) for cases in grouped.values()]
+    medians = table(median_cases)
+    streamed = stream_table(median_cases)
+    if streamed:
+        medians += (
+            "\n\nThe streamed push (layers pushed as computed, both sides polled as a "
+            "worker polls):\n\n" + streamed
+        )
     ratio_rows = []
     for tokens, cases in grouped.items():
         row = [str(tokens)]

@@ -171,6 +171,7 @@ class EngineHost:
         report("importing vllm")
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
 
         report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
@@ -187,7 +188,12 @@ class EngineHost:
         if cfg.device == "cuda":
             kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
         kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
-        engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        # kvpush serves vLLM's OpenAI API: the defaults vLLM picks for what `vllm serve` does
+        # (max_num_batched_tokens: 8192 on an H200, 2048 per rank on CPU), not the engine
+        # context's (2048 everywhere)
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(**kwargs), usage_context=UsageContext.OPENAI_API_SERVER
+        )
         if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
             report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
             engine.apply_model(normal_dummy_weights)

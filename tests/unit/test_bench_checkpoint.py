@@ -139,3 +139,78 @@ def test_resume_runs_only_the_missing_system_runs(
     assert document.rates_by_len == {"2048": [2.0]}
     assert not checkpoint.path_in(out).exists()  # the run completed: nothing left to resume
     assert (out / "results.md").read_text().startswith("<!-- generated: serve (")
+
+
+class Quick(System):
+    """A system that starts at once and serves nothing (its points are measured elsewhere)."""
+
+    name: ClassVar[str] = "quick"
+
+    async def start(self, ctx: BenchContext) -> str:
+        return "http://127.0.0.1:1"
+
+
+def test_a_time_budget_stops_between_systems_and_the_resume_finishes(
+    tmp_path: Path, committed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--time-budget: no system starts once the run so far plus its longest system would pass
+    the budget; the checkpoint holds what ran, exit 3, and --resume runs the rest."""
+    classes = {name: type(name, (Quick,), {"name": name}) for name in SYSTEMS}
+    monkeypatch.setattr(run, "system_classes", lambda: classes)
+    clock = iter(range(0, 10_000, 100))  # every reading of the clock: 100 s later
+    monkeypatch.setattr(run.time, "monotonic", lambda: float(next(clock)))
+
+    async def measured(self: Any, system: System, repeat: int, rows: list) -> float:
+        rows.append(_point(system.name, "qps 2", repeat))
+        return 1.0
+
+    monkeypatch.setattr(run.Bench, "run_system", measured)
+    args = _args(tmp_path, "--time-budget", "250", "--repeats", "1")
+    assert asyncio.run(run.run(args)) == 3
+    saved = json.loads(checkpoint.path_in(Path(args.out_dir)).read_text())
+    assert saved["done"] == [[0, SYSTEMS[0]]]
+    args = _args(tmp_path, "--resume", "--repeats", "1")
+    assert asyncio.run(run.run(args)) == 0
+    document = results.load(Path(args.out_dir) / "results.json")
+    assert [p.system for p in document.points] == list(SYSTEMS)
+
+
+def test_parts_of_one_run_join_and_other_runs_do_not(tmp_path: Path, committed: None) -> None:
+    """--join: parts with the same plan and given capacity become one document (a system in
+    two parts: the last part's points); a part of another plan, or probed rates, is refused."""
+    from kvpush.services.bench.serve import join
+
+    def part(systems: tuple[str, ...], *extra: str) -> results.Document:
+        args = _args(tmp_path, "--systems", ",".join(systems), "--qps", "auto", *extra)
+        meta = _meta(args)
+        points = [_point(s, "0.5x", 0) for s in systems]
+        return results.Document(
+            meta=meta, points=points, systems={s: {"ok": True} for s in systems}
+        )
+
+    given = ("--capacity", "2048=19", "--fractions", "0.5")
+    first, second = part(("vllm-pull",), *given), part(("kvpush-push", "vllm-pull"), *given)
+    second.points[1].ttft_ms.p50 = 1.0  # the re-run of vllm-pull: its points win
+    joined = join.join([first, second])
+    assert joined.meta["systems"] == ["kvpush-push", "vllm-pull"]
+    assert [(p.system, p.ttft_ms.p50) for p in joined.points] == [
+        ("kvpush-push", 450.0),
+        ("vllm-pull", 1.0),
+    ]
+    assert len(joined.meta["parts"]) == 2
+    with pytest.raises(join.JoinError, match="duration_s"):
+        join.join([first, part(("kvpush-push",), *given, "--duration", "5")])
+    with pytest.raises(join.JoinError, match="capacity_given"):
+        join.join([first, part(("kvpush-push",), "--capacity", "2048=20", "--fractions", "0.5")])
+    with pytest.raises(join.JoinError, match="probed their own capacity"):
+        join.join([part(("vllm-pull",)), part(("kvpush-push",))])
+
+
+def test_given_capacity_sets_the_rates_without_a_probe() -> None:
+    from kvpush.services.bench.serve import _capacities
+
+    assert _capacities("2048=19,8192=4.6") == {2048: 19.0, 8192: 4.6}
+    with pytest.raises(argparse.ArgumentTypeError):
+        _capacities("2048:19")
+    rates = plan.auto_rates(19.0, (0.1, 0.5))
+    assert [(r.point_id, r.qps) for r in rates] == [("0.1x", 1.9), ("0.5x", 9.5)]

@@ -55,6 +55,20 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _capacities(text: str) -> dict[int, float]:
+    found = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        length, sep, req_s = item.partition("=")
+        if not sep or not length.isdigit() or float(req_s) <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: want LEN=REQ_S, e.g. 2048=19")
+        found[int(length)] = float(req_s)
+    return found
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
@@ -110,6 +124,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{f:g}" for f in CAPACITY_FRACTIONS)
         + " x the prefill capacity probed once per input length (default auto)",
     )
+    add(
+        "--fractions",
+        default=None,
+        type=_floats,
+        help="with --qps auto: the fractions of the probed prefill capacity (default "
+        + ",".join(f"{f:g}" for f in CAPACITY_FRACTIONS)
+        + ")",
+    )
+    add(
+        "--capacity",
+        default=None,
+        type=_capacities,
+        metavar="LEN=REQ_S,...",
+        help="with --qps auto: the prefill capacity per input length, given instead of probed"
+        " (e.g. 2048=19,8192=4.6): runs in parts then get the same rates, and --join can join"
+        " them",
+    )
     add("--concurrency", default=[1, 4], type=_ints, help="fixed-concurrency points (1,4)")
     add("--duration", default=40.0, type=float, help="seconds of arrivals per QPS point (40)")
     add("--min-requests", default=12, type=int, help="at least this many per point (12)")
@@ -124,12 +155,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="smoke run: random 512 only, qps 1, c=2, 8 requests per point",
     )
+    add(
+        "--time-budget",
+        default=None,
+        type=float,
+        metavar="SECONDS",
+        help="start no system when the run so far plus its longest system would pass SECONDS:"
+        " save, exit 3, and go on later with --resume (runs in parts, e.g. on a lent machine)",
+    )
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
     add(
         "--resume",
         action="store_true",
         help="continue the interrupted run in OUT_DIR (its results.partial.json, saved after "
         "every system of every repeat): same arguments and commit, or it refuses",
+    )
+    add(
+        "--join",
+        nargs="+",
+        metavar="RESULTS.json",
+        default=None,
+        help="run nothing: join the results of runs in parts (the same plan and given "
+        "--capacity, other systems; a system in several parts: the last part's points) into "
+        "OUT_DIR/results.json, .md and plots",
     )
     add("--log-dir", default=None, help="systems' logs (default OUT_DIR/logs)")
     add("--json", metavar="OUT", help="also write the JSON document here")

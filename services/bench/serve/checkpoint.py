@@ -39,6 +39,7 @@ SAME_RUN_KEYS = (
     "tables",
     "repeats",
     "qps",
+    "fractions",
     "concurrency",
     "duration_s",
     "min_requests",

@@ -12,7 +12,8 @@ id lists of exactly the input length, the same for every system (same seed):
 
 ``run_point`` streams every request (``stream_options.include_usage``, no continuous usage)
 and records, per request, TTFT (request sent -> first chunk with a token), the inter-token
-gaps (ITL), the end-to-end time, errors, and from the final usage chunk the prompt tokens and
+gaps (ITL), the end-to-end time, errors, a digest of the completion (token identity across
+systems: the same prompts at a point, greedy), and from the final usage chunk the prompt tokens and
 ``prompt_tokens_details.cached_tokens`` where the server reports them (vLLM with
 ``--enable-prompt-tokens-details``; ``checks.py`` reads them). ``extra`` fields go into every
 request body (kvpush systems: ``kvpush_mode``). ``summarize`` turns a point's results into the
@@ -24,6 +25,7 @@ Threading model: asyncio on the caller's loop; one aiohttp session per point.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import time
@@ -73,6 +75,15 @@ class RequestResult:
     error: str | None = None
     prompt_tokens: int | None = None  # usage.prompt_tokens
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    text: str = ""  # the completion, streamed chunks joined
+
+    @property
+    def digest(self) -> str:
+        """A short digest of the completion ("" when it failed): equal across systems when
+        they answered the same prompt with the same tokens."""
+        if self.error is not None or not self.text:
+            return ""
+        return hashlib.blake2b(self.text.encode(), digest_size=6).hexdigest()
 
 
 def make_prompts(
@@ -146,6 +157,7 @@ async def _one(
                     result.ttft_s = now - started
                 elif choices[0].get("text"):
                     result.itl_s.append(now - last)
+                result.text += choices[0].get("text") or ""
                 last = now
         result.e2e_s = time.perf_counter() - started
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -242,4 +254,5 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
         "tpot_ms": _stats(tpot),
         "itl_ms": _stats([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "output_digests": [r.digest for r in results],
     }

@@ -82,6 +82,7 @@ class Plan:
     duration_s: float
     min_requests: int
     output_len: int
+    fractions: tuple[float, ...] = CAPACITY_FRACTIONS  # of the capacity, for qps "auto"
 
     def system_order(self, repeat: int) -> list[str]:
         """The systems of ``repeat`` (0-based): the list rotated by ``repeat``."""
@@ -112,8 +113,8 @@ def parse_tables(text: str) -> tuple[Table, ...]:
     return tuple(tables)
 
 
-def auto_rates(capacity: float) -> list[Rate]:
-    return [Rate(f"{f:g}x", round(capacity * f, 2), f) for f in CAPACITY_FRACTIONS]
+def auto_rates(capacity: float, fractions: tuple[float, ...] = CAPACITY_FRACTIONS) -> list[Rate]:
+    return [Rate(f"{f:g}x", round(capacity * f, 2), f) for f in fractions]
 
 
 def fixed_rates(qps: str) -> list[Rate]:
@@ -186,4 +187,9 @@ def from_args(args: argparse.Namespace) -> Plan:
             fixed_rates(qps)
         except ValueError:
             raise ConfigError(f"kvpush bench serve: --qps {qps!r}: rates or 'auto'") from None
-    return Plan(systems, tables, qps, conc, repeats, duration, min_requests, args.output_len)
+    fractions = tuple(getattr(args, "fractions", None) or CAPACITY_FRACTIONS)
+    if any(f <= 0 for f in fractions):
+        raise ConfigError("kvpush bench serve: --fractions must be positive")
+    return Plan(
+        systems, tables, qps, conc, repeats, duration, min_requests, args.output_len, fractions
+    )

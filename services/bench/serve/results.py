@@ -8,7 +8,8 @@ checked against these structs). One ``Point`` per (system, table, point, repeat)
   (``qps`` / ``concurrency``), ``load`` (the plots' x), ``capacity_fraction``, ``repeat``
   (0-based), ``seed``, ``requests``;
 - the numbers of ``loadgen.summarize`` (times in ms): ``completed``, ``errors``, ``ttft_ms``,
-  ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (mean/p50/p99 each), throughputs, ``wall_s``;
+  ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (mean/p50/p99 each), throughputs, ``wall_s``,
+  ``output_digests`` (per request in order, a digest of its completion: token identity);
 - ``breakdown`` (kvpush systems: per TTFT part mean/p50/p99, from the gateway);
 - ``transfer_check`` (``checks.py``): ``applies`` (false: one engine), ``ok``, ``checked``
   (requests verified), ``without_transfer`` (requests served without a KV transfer, or not
@@ -76,6 +77,7 @@ class Point(msgspec.Struct, kw_only=True):
     e2e_ms: Stats = msgspec.field(default_factory=Stats)
     breakdown: dict[str, Any] | None = None
     transfer_check: TransferCheck | None = None
+    output_digests: list[str] = msgspec.field(default_factory=list)  # per request, "" failed
 
     def __post_init__(self) -> None:
         if not self.point:

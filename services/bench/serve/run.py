@@ -44,6 +44,7 @@ from kvpush.services.bench.serve import (
     report,
     results,
     summary,
+    summary_gpu,
 )
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import BenchContext, KvpushPull, KvpushPush, System
@@ -103,7 +104,7 @@ class Bench:
             probe_ttft_ms=[round(t * 1e3, 3) for t in ttfts],
             probed_on=system.name,
         )
-        self.rates[input_len] = plan.auto_rates(capacity)
+        self.rates[input_len] = plan.auto_rates(capacity, self.plan.fractions)
         return self.rates[input_len]
 
     async def measure(
@@ -228,6 +229,8 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "tables": [t.key for t in the_plan.tables],
         "repeats": the_plan.repeats,
         "qps": the_plan.qps,
+        "fractions": list(the_plan.fractions),
+        "capacity_given": {str(k): v for k, v in (getattr(args, "capacity", None) or {}).items()},
         "concurrency": list(the_plan.concurrency),
         "duration_s": the_plan.duration_s,
         "min_requests": the_plan.min_requests,
@@ -272,6 +275,9 @@ async def run(args: argparse.Namespace) -> int:
         ctx.trace_dir.mkdir(parents=True, exist_ok=True)
     document = Document(schema=results.SCHEMA, meta=_meta(args, ctx, the_plan))
     bench = Bench(ctx, the_plan, vocab)
+    for length, req_s in (getattr(args, "capacity", None) or {}).items():
+        bench.capacity[length] = Capacity(req_s=req_s, probed_on="given (--capacity)")
+        bench.rates[length] = plan.auto_rates(req_s, the_plan.fractions)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in the_plan.systems}
     done: set[tuple[int, str]] = set()
     if args.resume:
@@ -287,10 +293,20 @@ async def run(args: argparse.Namespace) -> int:
         bench.capacity = {int(k): v for k, v in saved.capacity.items()}
         bench.rates = {int(k): v for k, v in saved.rates.items()}
         _say(f"resuming: {len(done)} system run(s) of {the_plan.repeats * len(runs)} done")
+    started, longest, budget = time.monotonic(), 0.0, getattr(args, "time_budget", None)
     for repeat in range(the_plan.repeats):
         for name in the_plan.system_order(repeat):
             if (repeat, name) in done:
                 continue
+            spent = time.monotonic() - started
+            if budget is not None and spent + longest > budget:
+                _say(
+                    f"time budget: {spent:.0f} s spent, the longest system took {longest:.0f} s"
+                    f" (budget {budget:g} s): stopping before {name}; the run so far"
+                    f" is in {checkpoint.path_in(out_dir)}: go on with --resume"
+                )
+                return 3
+            system_started = time.monotonic()
             system = classes[name]()
             system.run_label = f"r{repeat + 1}"
             record: dict[str, Any] = {"repeat": repeat, "ok": True}
@@ -304,6 +320,7 @@ async def run(args: argparse.Namespace) -> int:
             runs[name].append(record)
             done.add((repeat, name))
             checkpoint.save(out_dir, _checkpoint(document, bench, runs, done))
+            longest = max(longest, time.monotonic() - system_started)
     for name, records in runs.items():
         failed = [r for r in records if not r["ok"]]
         document.systems[name] = {"ok": not failed, "runs": records}
@@ -311,21 +328,27 @@ async def run(args: argparse.Namespace) -> int:
             document.systems[name]["error"] = failed[0]["error"]
     document.capacity = {str(k): v for k, v in bench.capacity.items()}
     document.rates_by_len = {str(k): [r.qps for r in v] for k, v in bench.rates.items()}
+    status = finish(document, out_dir, args.json)
+    checkpoint.remove(out_dir)
+    return status
+
+
+def finish(document: Document, out_dir: Path, json_path: str | None) -> int:
+    """Derive ratios and verdicts, write results.json/.md and the plots; the exit status."""
     rows_ = summary.rows(document)
     document.ratios = msgspec.to_builtins(summary.ratios(rows_))
-    document.verdicts = msgspec.to_builtins(summary.verdicts(rows_))
+    document.verdicts = msgspec.to_builtins(summary_gpu.verdicts_of(document, rows_))
     out_dir.mkdir(parents=True, exist_ok=True)
     text = results.dumps(document)
     (out_dir / "results.json").write_text(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    if json_path:
+        Path(json_path).write_text(text)
     md = out_dir / "results.md"  # the generated tables alone, rewritten from scratch
     md.unlink(missing_ok=True)
     report.write_doc(md, out_dir / "results.json")
     for path in report.plots(document, out_dir):
         _say(f"wrote {path}")
     print(report.render(document))
-    checkpoint.remove(out_dir)
     _say(f"results in {out_dir}")
     failed_systems = [n for n, s in document.systems.items() if not s["ok"]]
     failed_checks = [
@@ -337,4 +360,13 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "join", None):
+        from kvpush.services.bench.serve import join
+
+        try:
+            document = join.join([results.load(Path(p)) for p in args.join])
+        except join.JoinError as exc:
+            _say(str(exc))
+            return 2
+        return finish(document, Path(args.out_dir).resolve(), args.json)
     return asyncio.run(run(args))

@@ -326,10 +326,10 @@ class Verdict(msgspec.Struct, kw_only=True):
         return sum(1 for p in self.points if p.met)
 
 
-def verdicts(all_rows: list[Row]) -> list[Verdict]:
+def verdicts(all_rows: list[Row], targets: tuple[Target, ...] = TARGETS) -> list[Verdict]:
     by_key = {(r.table, r.point, r.system): r for r in all_rows}
     found = []
-    for target in TARGETS:
+    for target in targets:
         points = []
         for ours in all_rows:
             if ours.system != REFERENCE or not target.applies(ours):

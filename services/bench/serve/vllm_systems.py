@@ -18,7 +18,8 @@ context                     ``--max-model-len`` = the model's recipe ``max_conte
 prefix caching              ``--enable-prefix-caching``
 sequences                   ``--max-num-seqs 256`` (kvpush: ``max_num_seqs = max_inflight``)
 batched tokens              ``--max-num-batched-tokens 2048`` (what kvpush's engines get: it
-                            sets none and vLLM's CPU default for both contexts is 2048)
+                            sets none and builds them with `vllm serve`'s usage context,
+                            whose CPU default is 2048 per rank)
 seed                        ``--seed 0``
 sampling defaults           ``--generation-config vllm`` (kvpush builds SamplingParams from
                             the request only; the model's generation_config is not applied)
@@ -45,6 +46,8 @@ connector                   ``kv_role`` producer/consumer, ``kv_buffer_device: c
 On CUDA (``--device cuda``) the table's CPU rows give way to: ``--dtype bfloat16``,
 ``--load-format`` as the bench's (dummy for a model built without weights),
 ``--gpu-memory-utilization`` the bench's share per engine (twice that for the aggregated one),
+no ``--max-num-batched-tokens`` (vLLM's default for the GPU: 8192 on an H200, what kvpush's
+engines get as well),
 ``CUDA_VISIBLE_DEVICES``, no pinning and no ``VLLM_CPU_*``, NIXL buffers on the GPU
 (``kv_buffer_device: cuda``), vLLM's async scheduling as shipped; ``vllm-pull-tuned`` adds
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` to both servers. The servers of one system start one
@@ -134,7 +137,9 @@ def serve_argv(ctx: BenchContext, spec: ServerSpec, log_stats: bool) -> list[str
         argv += ["--gpu-memory-utilization", f"{share:g}"]
     argv += ["--block-size", "128", "--max-model-len", str(max_model_len(ctx.model_dir))]
     argv += ["--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS)]
-    argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS), "--seed", "0"]
+    if not ctx.cuda:  # cuda: vLLM's default for the GPU, what kvpush's engines get too
+        argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+    argv += ["--seed", "0"]
     argv += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
     argv.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens
     if not log_stats:

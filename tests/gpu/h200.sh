@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The H200 runs behind docs/benchmarks/gpu.md and gpu-serve.md, one step per device command.
+#
+# On the lent GPU host, from the repository root, with the vLLM bundle's parts in /tmp/p
+# (../shared/gpu/bundle.sh; ../shared/gpu/README.md) and .venv/bin/nats-server carried along:
+#
+#   KVPUSH_REVISION=<commit> tests/gpu/h200.sh STEP OUT
+#
+# STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
+# under other poll intervals), swap (tests.gpu.gpu_swap), serve-a / serve-b (the serving
+# benchmark in two parts of under 10 minutes, joined afterwards with
+# `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
+# kvpush importable from this tree (/tmp/kp); results go under OUT.
+set -u
+step=${1:?STEP}
+out=${2:?OUT}
+mkdir -p "$out"
+if [ ! -d /tmp/site/vllm ]; then
+    mkdir -p /tmp/site && cat /tmp/p/part-* | tar xzf - -C /tmp/site || exit 2
+fi
+mkdir -p /tmp/bin /tmp/kp/kvpush
+[ -x /tmp/bin/nats-server ] || cp .venv/bin/nats-server /tmp/bin/
+for part in connector schemas services; do ln -sfn "$PWD/$part" "/tmp/kp/kvpush/$part"; done
+export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/kp:/tmp/site PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NIXL_LOG_LEVEL=WARN
+
+# the serving plan of both parts: the same tables, rates (fractions of the given prefill
+# capacity: 1 / prefill time of the 8B shape, 52 ms at 2k and 216 ms at 8k) and seeds
+SERVE=(bench serve --device cuda --model llama-8b --repeats 1 --output-len 32
+    --tables random:2048,random:8192,sonnet:2048 --qps auto --capacity 2048=19,8192=4.6
+    --fractions 0.1,0.25,0.5 --concurrency 1 --duration 4 --min-requests 6)
+
+case $step in
+transport)
+    timeout 200 python3 -m kvpush.services.cli bench transport --device cuda --repeats 10 \
+        --json "$out/transport-cuda.json" 2>&1 | tail -20
+    for poll in 500,1000 50,1000 50,200; do
+        timeout 60 python3 -m kvpush.services.cli bench transport --device cuda --stream-only \
+            --tokens 2048 8192 --repeats 15 --poll-us "$poll" \
+            --json "$out/stream-${poll/,/-}.json" 2>&1 | tail -4
+    done
+    ;;
+swap)
+    timeout 330 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" 2>&1 | tail -15
+    ;;
+serve-a)
+    timeout 560 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems vllm-push,vllm-pull-tuned,aggregated --out-dir "$out/serve-a" \
+        > "$out/serve-a.log" 2>&1
+    echo "serve-a rc=$?"; tail -5 "$out/serve-a.log"
+    ;;
+serve-b)
+    timeout 570 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems kvpush-push,kvpush-pull,vllm-pull --out-dir "$out/serve-b" \
+        > "$out/serve-b.log" 2>&1
+    echo "serve-b rc=$?"; tail -5 "$out/serve-b.log"
+    ;;
+*)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
+pkill -f "vllm|kvpush.services|nats-server" 2>/dev/null
+exit 0

@@ -1,0 +1,76 @@
+"""The targets of a GPU serving run (``summary_gpu``) on synthetic points: the ratio targets'
+scope follows vllm-pull's measured saturation, kvpush's own time comes from the breakdown, and
+token identity compares each request's completion with the aggregated engine's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvpush.services.bench.serve import report, results, summary, summary_gpu
+
+
+def _point(system: str, point: str, ttft: float, req_s: float, **extra: Any) -> dict[str, Any]:
+    concurrency = point.startswith("c=")
+    qps = None if concurrency else float(point.split()[1])
+    row = {
+        "system": system,
+        "dataset": "random",
+        "input_len": 2048,
+        "point": point,
+        "label": point,
+        "load_kind": "concurrency" if concurrency else "qps",
+        "load": 1.0 if concurrency else qps,
+        "capacity_fraction": None if concurrency else qps / 20,
+        "requests": 4,
+        "completed": 4,
+        "errors": 0,
+        "request_throughput": req_s,
+        "ttft_ms": {"mean": ttft, "p50": ttft, "p99": ttft * 2},
+        "transfer_check": {"applies": system != "aggregated", "ok": True, "checked": 4},
+        "output_digests": extra.pop("digests", ["a", "b", "c", "d"]),
+    }
+    return {**row, **extra}
+
+
+def _document() -> results.Document:
+    parts = {"gateway": 0.4, "queue_prefill": 0.6, "prefill_compute": 50.0, "push_tail": 0.3}
+    parts |= {"decode_wait": 0.9, "decode_first_step": 12.0, "streaming": 0.5}
+    breakdown = {name: {"p50": value} for name, value in parts.items()}
+    points = []
+    for point, pull_req_s in (("c=1", 1.0), ("qps 1", 0.9), ("qps 2", 1.5), ("qps 8", 1.6)):
+        # vllm-pull saturates at 1.6 req/s: its scope starts at qps 0.8, so qps 1 and up
+        points += [
+            _point("kvpush-push", point, 60.0, 1.0, breakdown=breakdown),
+            _point("kvpush-pull", point, 70.0, 1.0, digests=["a", "b", "x", "d"]),
+            _point("vllm-pull", point, 700.0 if point != "qps 1" else 100.0, pull_req_s),
+            _point("vllm-pull-tuned", point, 70.0, 1.0),
+            _point("vllm-push", point, 200.0, 1.0),
+            _point("aggregated", point, 55.0, 1.0),
+        ]
+    meta = {"device": "cuda", "tables": ["random:2048"], "repeats": 1, "output_len": 32}
+    return results.loads(json.dumps({"schema": 2, "meta": meta, "points": points}))
+
+
+def test_gpu_targets_scope_overhead_and_identity() -> None:
+    document = _document()
+    rows = summary.rows(document)
+    assert summary_gpu.saturation(rows) == {("random", 2048): 1.6}
+    found = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}
+    g1 = found["G1"]
+    assert [p.label for p in g1.points] == ["qps 1", "qps 2", "qps 8"]  # c=1 is out of scope
+    assert g1.verdict == "missed" and [p.met for p in g1.points] == [False, True, True]
+    assert found["G2"].verdict == "missed" and found["G3"].verdict == "met"  # 1.17x, 3.33x
+    assert found["G4"].verdict == "missed"  # 60 / 55 = 1.09 at c=1 and 0.05x
+    g5 = found["G5"]
+    assert [(p.label, p.value, p.met) for p in g5.points] == [("c=1", 2.7, True)]
+    g6 = found["G6"]
+    shares = [(p.label, p.value) for p in g6.points]
+    assert shares[:4] == [("c=1", 1.0), ("qps 1", 1.0), ("qps 2", 1.0), ("qps 8", 1.0)]
+    assert shares[4:] == [("c=1", 0.75), ("qps 1", 0.75), ("qps 2", 0.75), ("qps 8", 0.75)]
+    assert g6.verdict == "missed"  # kvpush-pull answered one request of four differently
+    assert found["G6 (vllm-pull)"].verdict == "met"
+    text = report.render(document)
+    assert "G1: P99 TTFT vs vllm-pull >= 2.0x" in text and "**missed**" in text
+    cpu = results.Document(meta={}, points=document.points)
+    assert {v.key for v in summary_gpu.verdicts_of(cpu, rows)} == {"T1", "T2", "T3", "T4"}
