@@ -43,11 +43,11 @@ from typing import Any
 from kvpush.services.bench.transport_side import (
     BLOCK_SIZE,
     FIRST_REMOTE,
-    POLL_KEYS,
     Side,
     decode_side,
     intervals,
     make_setup,
+    poll_us,
 )
 
 
@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="prepped",
         help="prepped per-block lists (default) or coalesced rows per request",
     )
+
+
+STREAM_KEYS = ("forward_us", "post_us", "p_tail_us", "d_tail_us")
 
 
 class _Bench:
@@ -211,6 +214,7 @@ class _Bench:
             self.transport.push_layers(tid, [layer])
             if layer == last:
                 self.transport.finish(tid)
+                ready[-1] = time.monotonic()  # the last layer's WRITE posted
 
         def on_events() -> None:
             now = time.monotonic()
@@ -218,7 +222,7 @@ class _Bench:
                 event = poller.events.get_nowait()
                 done[event.transfer_id] = (event, now)
 
-        poller = Poller(self.transport, **self.setup["intervals"], on_events=on_events)
+        poller = Poller(self.transport, **self.setup["intervals"]["prefill"], on_events=on_events)
         gate = LayerGate(on_ready) if self.side.cuda else None
         try:
             forward = 0.0
@@ -247,6 +251,7 @@ class _Bench:
             raise RuntimeError(f"stream {tid} ended {event.state.value}/{state}: {event.detail}")
         return {
             "forward_us": forward / self.layers * 1e6,
+            "post_us": (ready[-1] - ready[last]) * 1e6,
             "p_tail_us": (p_done - ready[last]) * 1e6,
             "d_tail_us": (seen - ready[last]) * 1e6,
         }
@@ -307,7 +312,7 @@ class _Bench:
             "push_tail",
         )
         runs: dict[str, list[float]] = {k: [] for k in keys}
-        streamed: dict[str, list[float]] = {"forward_us": [], "p_tail_us": [], "d_tail_us": []}
+        streamed: dict[str, list[float]] = {k: [] for k in STREAM_KEYS}
         notify, descs = [], {}
         for _ in range(repeats):
             self.side.cold()
@@ -362,7 +367,7 @@ class _Bench:
         """``--stream-only``: the streamed push alone, and what one idle ``poll()`` costs."""
         import statistics
 
-        streamed: dict[str, list[float]] = {"forward_us": [], "p_tail_us": [], "d_tail_us": []}
+        streamed: dict[str, list[float]] = {k: [] for k in STREAM_KEYS}
         for _ in range(repeats):
             self.side.cold()
             for key, value in self.stream(
@@ -432,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
             "descriptors": args.descriptors,
             "repeats": args.repeats,
             "layer_ms": args.layer_ms,
-            "poll_us": [round(setup["intervals"][k] * 1e6, 1) for k in POLL_KEYS],
+            "poll_us": poll_us(setup["intervals"]),
         }
         cases = [{**case, **settings} for case in cases]
         if not args.stream_only:

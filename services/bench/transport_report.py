@@ -46,9 +46,10 @@ STREAM_COLUMNS = (  # the streamed push (cases of runs that measured it)
     ("tokens", "{tokens}"),
     ("layer compute ms", "{layer_ms:g}"),
     ("forward thread us per layer", "{stream_forward_us:.1f}"),
+    ("last layer's post us", "{post}"),
     ("last layer -> P's DONE us", "{stream_p_tail_us:.0f}"),
     ("last layer -> D saw DONE us", "{stream_d_tail_us:.0f}"),
-    ("poll busy/target us", "{poll}"),
+    ("poll busy/target us: P, D", "{poll}"),
 )
 REPORT_COMMAND = (
     "kvpush bench transport --report docs/benchmarks/transport --doc docs/benchmarks/transport.md"
@@ -70,8 +71,10 @@ def stream_table(cases: Sequence[dict[str, Any]]) -> str:
         return ""
     rows = []
     for case in cases:
-        poll = "/".join(f"{x:g}" for x in case.get("poll_us", ())) or "-"
-        rows.append([f.format(**{**case, "poll": poll}) for _, f in STREAM_COLUMNS])
+        us = [f"{x:g}" for x in case.get("poll_us", ())]
+        poll = ", ".join("/".join(us[i : i + 2]) for i in range(0, len(us), 2)) or "-"
+        post = f"{case['stream_post_us']:.0f}" if "stream_post_us" in case else "-"
+        rows.append([f.format(**{**case, "poll": poll, "post": post}) for _, f in STREAM_COLUMNS])
     return docgen.table([h for h, _ in STREAM_COLUMNS], rows)
 
 

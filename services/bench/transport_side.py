@@ -204,17 +204,23 @@ class Side:
         self.raw.close()
 
 
-POLL_KEYS = ("busy_interval_s", "target_interval_s")
-
-
-def intervals(poll_us: str | None) -> dict[str, float]:
+def intervals(poll_us: str | None) -> dict[str, dict[str, float]]:
+    """Each side's Poller intervals: a prefill and a decode worker's, or ``BUSY,TARGET`` (us)
+    for both."""
     from kvpush.connector import worker_intervals
 
-    found = worker_intervals()
+    found = {"prefill": worker_intervals(False), "decode": worker_intervals(True)}
     if poll_us:
         busy, target = (float(x) / 1e6 for x in poll_us.split(","))
-        found.update(busy_interval_s=busy, target_interval_s=target)
+        for side in found.values():
+            side.update(busy_interval_s=busy, target_interval_s=target)
     return found
+
+
+def poll_us(found: dict[str, dict[str, float]]) -> list[float]:
+    """P's busy and target, D's busy and target, in us (what a run's JSON records)."""
+    keys = ("busy_interval_s", "target_interval_s")
+    return [round(found[side][k] * 1e6, 1) for side in ("prefill", "decode") for k in keys]
 
 
 def decode_side(conn: Any, setup: dict[str, Any]) -> None:
@@ -234,7 +240,7 @@ def decode_side(conn: Any, setup: dict[str, Any]) -> None:
             event = poller.events.get_nowait()
             ended[event.transfer_id] = (event.state.value, now)
 
-    poller = Poller(transport, **setup["intervals"], on_events=seen)
+    poller = Poller(transport, **setup["intervals"]["decode"], on_events=seen)
     conn.send_bytes(
         msgspec.msgpack.encode(
             [transport.address, transport.epoch, side.raw.metadata(), side.buf_ptr]

@@ -7,7 +7,8 @@
 #   KVPUSH_REVISION=<commit> tests/gpu/h200.sh STEP OUT
 #
 # STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
-# under other poll intervals), swap (tests.gpu.gpu_swap), serve-a / serve-b (the serving
+# under other poll intervals), stream (the streamed push with a worker's intervals), swap
+# (tests.gpu.gpu_swap), serve-a / serve-b (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
@@ -40,18 +41,22 @@ transport)
             --json "$out/stream-${poll/,/-}.json" 2>&1 | tail -4
     done
     ;;
+stream)
+    timeout 90 python3 -m kvpush.services.cli bench transport --device cuda --stream-only \
+        --tokens 2048 8192 --repeats 15 --json "$out/stream-worker.json" 2>&1 | tail -4
+    ;;
 swap)
     timeout 330 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" 2>&1 | tail -15
     ;;
 serve-a)
-    timeout 560 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
-        --systems vllm-push,vllm-pull-tuned,aggregated --out-dir "$out/serve-a" \
+    timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems vllm-push,vllm-pull-tuned,aggregated,kvpush-pull --out-dir "$out/serve-a" \
         > "$out/serve-a.log" 2>&1
     echo "serve-a rc=$?"; tail -5 "$out/serve-a.log"
     ;;
 serve-b)
-    timeout 570 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
-        --systems kvpush-push,kvpush-pull,vllm-pull --out-dir "$out/serve-b" \
+    timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems kvpush-push,vllm-pull --out-dir "$out/serve-b" \
         > "$out/serve-b.log" 2>&1
     echo "serve-b rc=$?"; tail -5 "$out/serve-b.log"
     ;;

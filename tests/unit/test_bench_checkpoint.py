@@ -214,3 +214,17 @@ def test_given_capacity_sets_the_rates_without_a_probe() -> None:
         _capacities("2048:19")
     rates = plan.auto_rates(19.0, (0.1, 0.5))
     assert [(r.point_id, r.qps) for r in rates] == [("0.1x", 1.9), ("0.5x", 9.5)]
+
+
+def test_a_part_cut_short_joins_with_its_checkpoint(tmp_path: Path, committed: None) -> None:
+    from kvpush.services.bench.serve import join
+
+    args = _args(tmp_path, "--qps", "auto", "--capacity", "2048=19", "--fractions", "0.5")
+    out = Path(args.out_dir)
+    records = {"vllm-pull": [{"repeat": 0, "ok": True}], "kvpush-push": []}
+    saved = checkpoint.Checkpoint(meta=_meta(args), done=[(0, "vllm-pull")], runs=records)
+    saved.points = [_point("vllm-pull", "0.5x", 0)]
+    checkpoint.save(out, saved)
+    part = join.load_part(checkpoint.path_in(out))
+    assert list(part.systems) == ["vllm-pull"] and part.meta["cut_short"]
+    assert [p.system for p in join.join([part]).points] == ["vllm-pull"]

@@ -176,8 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RESULTS.json",
         default=None,
         help="run nothing: join the results of runs in parts (the same plan and given "
-        "--capacity, other systems; a system in several parts: the last part's points) into "
-        "OUT_DIR/results.json, .md and plots",
+        "--capacity, other systems; a system in several parts: the last part's points; a part "
+        "cut short: its results.partial.json) into OUT_DIR/results.json, .md and plots",
     )
     add("--log-dir", default=None, help="systems' logs (default OUT_DIR/logs)")
     add("--json", metavar="OUT", help="also write the JSON document here")

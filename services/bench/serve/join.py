@@ -7,14 +7,20 @@ the same rates and, from the point ids, the same prompts). ``join`` checks that 
 on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems and
 the revision, plus the given capacity), then takes each system's points from the last part that
 ran it (a part that re-ran a failed system replaces the earlier one). Each part's revision,
-date, systems and command line are kept under ``meta["parts"]``.
+date, systems and command line are kept under ``meta["parts"]``. A part cut short (killed at
+its time limit) joins with the checkpoint it saved after each system (``load_part``).
 
 Threading model: pure functions.
 """
 
 from __future__ import annotations
 
-from kvpush.services.bench.serve import ALL_SYSTEMS
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvpush.services.bench.serve import ALL_SYSTEMS, checkpoint, results
 from kvpush.services.bench.serve.checkpoint import SAME_RUN_KEYS
 from kvpush.services.bench.serve.results import Document
 
@@ -24,6 +30,29 @@ FREE_KEYS = ("kvpush_rev", "systems")  # what parts may differ in
 
 class JoinError(ValueError):
     """The parts are not parts of one run (the message says which key differs)."""
+
+
+def load_part(path: Path) -> Document:
+    """A part's results.json, or the checkpoint of a part cut short (``results.partial.json``:
+    the systems it completed)."""
+    if path.name != checkpoint.FILE_NAME:
+        return results.load(path)
+    saved = msgspec.json.decode(path.read_bytes(), type=checkpoint.Checkpoint)
+    systems: dict[str, Any] = {}
+    for name, records in saved.runs.items():
+        if records:
+            failed = [r for r in records if not r.get("ok")]
+            systems[name] = {"ok": not failed, "runs": records}
+            if failed:
+                systems[name]["error"] = failed[0].get("error", "")
+    return Document(
+        schema=results.SCHEMA,
+        meta={**saved.meta, "cut_short": True},
+        systems=systems,
+        capacity=saved.capacity,
+        rates_by_len={k: [r.qps for r in v] for k, v in saved.rates.items()},
+        points=saved.points,
+    )
 
 
 def join(parts: list[Document]) -> Document:

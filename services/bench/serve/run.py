@@ -364,7 +364,7 @@ def main(args: argparse.Namespace) -> int:
         from kvpush.services.bench.serve import join
 
         try:
-            document = join.join([results.load(Path(p)) for p in args.join])
+            document = join.join([join.load_part(Path(p)) for p in args.join])
         except join.JoinError as exc:
             _say(str(exc))
             return 2
