@@ -27,10 +27,13 @@ from pathlib import Path
 
 
 def revision() -> str:
-    """The checkout's short commit, ``-dirty`` when tracked files differ from it, to stamp a run
-    with the code it ran; outside git (a copied tree, e.g. on a lent GPU host) the commit given
-    in ``KVPUSH_REVISION``, else ``-``."""
-    given = os.environ.get("KVPUSH_REVISION", "").strip() or "-"
+    """The commit to stamp a run with: ``KVPUSH_REVISION`` when set (a copied tree, e.g. on a
+    lent GPU host, whose git metadata, if any, is not the tree's), else the checkout's short
+    commit, ``-dirty`` when tracked files differ from it (``-`` outside git)."""
+    given = os.environ.get("KVPUSH_REVISION", "").strip()
+    if given:
+        return given
+    given = "-"
     try:
         found = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=7"],

@@ -161,6 +161,46 @@ def summary(runs: Sequence[dict[str, Any]]) -> str:
     )
 
 
+GPU_REPORT_COMMAND = (
+    "kvpush bench transport --report docs/benchmarks/gpu-transport --doc docs/benchmarks/gpu.md"
+)
+
+
+def gpu_summary(folder: Path) -> str:
+    """GPU runs (``--device cuda``, ``*.json`` in name order): each full run's table and its
+    streamed push, then every streamed-only run's (settings in its columns) in one table."""
+    runs = [(p.name, json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
+    if not runs:
+        raise FileNotFoundError(f"no *.json in {folder}")
+    parts, streamed = [], []
+    for name, run in runs:
+        meta = run.get("meta", {})
+        stamp = f"{meta.get('date', '-')}, {meta.get('kvpush_rev', '-')}"
+        cases = run["cases"]
+        if "push_GBps" not in cases[0]:  # --stream-only
+            streamed += cases
+            continue
+        parts.append(
+            f"Every case, median of {cases[0]['repeats']} ([{name}](gpu-transport/{name}), "
+            f"{stamp}):\n\n{table(cases)}\n\nIts streamed push:\n\n{stream_table(cases)}"
+        )
+    if streamed:
+        idle = ", ".join(f"{c['idle_poll_us']:g}" for c in streamed if "idle_poll_us" in c)
+        parts.append(
+            "The streamed push alone under other poll intervals (one row per run and case; "
+            f"an idle `poll()` of P's transport took {idle} us in these runs):\n\n"
+            + stream_table(streamed)
+        )
+    return "\n\n".join(parts)
+
+
 def report(folder: Path, doc: str | None, check: bool) -> int:
-    """``--report``: print the summary of ``folder``'s runs, or write/check it in ``doc``."""
+    """``--report``: print the summary of ``folder``'s runs, or write/check it in ``doc`` (GPU
+    runs: ``gpu_summary`` into the section ``gpu-transport``)."""
+    if any(
+        json.loads(p.read_text())["cases"][0].get("device") == "cuda"
+        for p in sorted(folder.glob("*.json"))[:1]
+    ):
+        body = gpu_summary(folder)
+        return docgen.publish(body, doc, "gpu-transport", GPU_REPORT_COMMAND, check)
     return docgen.publish(summary(load_runs(folder)), doc, "transport", REPORT_COMMAND, check)

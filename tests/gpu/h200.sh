@@ -49,8 +49,10 @@ swap)
     timeout 330 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" 2>&1 | tail -15
     ;;
 serve-a)
+    # the committed part ran under `timeout 440` (the session's device time left) and was cut
+    # short after vllm-push: docs/benchmarks/gpu-serve/parts/a-results.partial.json
     timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
-        --systems vllm-push,vllm-pull-tuned,aggregated,kvpush-pull --out-dir "$out/serve-a" \
+        --systems aggregated,vllm-push,vllm-pull-tuned,kvpush-pull --out-dir "$out/serve-a" \
         > "$out/serve-a.log" 2>&1
     echo "serve-a rc=$?"; tail -5 "$out/serve-a.log"
     ;;

@@ -80,3 +80,36 @@ def test_gpu_md_serving_check_is_what_the_committed_run_generates() -> None:
     body = gpu_serve.table(run)
     doc = DOCS / "benchmarks" / "gpu.md"
     assert not docgen.update(doc, "gpu-serve", body, gpu_serve.REPORT_COMMAND, check=True)
+
+
+def test_gpu_md_swap_and_transport_sections_are_what_the_committed_runs_generate() -> None:
+    from tests.gpu import gpu_swap
+
+    doc = DOCS / "benchmarks" / "gpu.md"
+    run = json.loads((DOCS / "benchmarks" / "gpu-swap-normal.json").read_text())
+    assert all(r["a_differs_from_b"] for r in run["rows"])  # the weights see the context
+    assert not docgen.update(doc, "gpu-swap", gpu_swap.table(run), gpu_swap.REPORT_COMMAND, True)
+    body = transport_report.gpu_summary(DOCS / "benchmarks" / "gpu-transport")
+    assert not docgen.update(doc, "gpu-transport", body, transport_report.GPU_REPORT_COMMAND, True)
+
+
+def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
+    """docs/benchmarks/gpu-serve.md's tables are what its results.json generates, and that
+    results.json is what --join makes of the two committed parts."""
+    from kvpush.services.bench.serve import join, report, results, summary, summary_gpu
+
+    folder = DOCS / "benchmarks" / "gpu-serve"
+    parts = [folder / "parts" / "b-results.json", folder / "parts" / "a-results.partial.json"]
+    joined = join.join([join.load_part(p) for p in parts])
+    committed = results.load(folder / "results.json")
+    assert [p.system for p in committed.points] == [p.system for p in joined.points]
+    assert committed.points == joined.points and committed.meta == joined.meta
+    rows = summary.rows(joined)
+    assert msgspec_builtins(summary_gpu.verdicts_of(joined, rows)) == committed.verdicts
+    assert report.check_doc(DOCS / "benchmarks" / "gpu-serve.md", folder / "results.json") is None
+
+
+def msgspec_builtins(value: object) -> object:
+    import msgspec
+
+    return msgspec.to_builtins(value)

@@ -35,7 +35,7 @@ class JoinError(ValueError):
 def load_part(path: Path) -> Document:
     """A part's results.json, or the checkpoint of a part cut short (``results.partial.json``:
     the systems it completed)."""
-    if path.name != checkpoint.FILE_NAME:
+    if not path.name.endswith(".partial.json"):  # results.partial.json, or a copy renamed
         return results.load(path)
     saved = msgspec.json.decode(path.read_bytes(), type=checkpoint.Checkpoint)
     systems: dict[str, Any] = {}
@@ -79,7 +79,9 @@ def join(parts: list[Document]) -> Document:
             owner[name] = index
     systems = sorted(owner, key=lambda s: ALL_SYSTEMS.index(s) if s in ALL_SYSTEMS else 99)
     meta = {**first.meta, "systems": systems}
-    meta["parts"] = [{k: part.meta.get(k) for k in PART_KEYS} for part in parts]
+    meta["parts"] = [
+        {**{k: part.meta.get(k) for k in PART_KEYS}, "ran": list(part.systems)} for part in parts
+    ]
     meta["kvpush_rev"] = ",".join(dict.fromkeys(str(p.meta.get("kvpush_rev")) for p in parts))
     joined = Document(schema=first.schema, meta=meta)
     for name in systems:

@@ -27,7 +27,7 @@ from kvpush.services.bench import docgen
 from kvpush.services.bench.serve import results as results_mod
 from kvpush.services.bench.serve import summary, summary_gpu
 from kvpush.services.bench.serve.plot import ttft_chart
-from kvpush.services.bench.serve.results import Document
+from kvpush.services.bench.serve.results import GIVEN, Document
 from kvpush.services.bench.serve.summary import REFERENCE, Row, Spread
 from kvpush.services.telemetry.breakdown import PART_NAMES
 
@@ -84,10 +84,33 @@ def _meta_lines(document: Document) -> list[str]:
         f"{meta.get('output_len', '?')} output tokens, {meta.get('repeats', 1)} repeat(s), "
         f"{meta.get('duration_s', '?')} s of arrivals per QPS point.",
         "",
-        f"Command: `kvpush {' '.join(meta.get('argv') or [])}`",
-        "",
     ]
-    if document.capacity:
+    parts = meta.get("parts") or []
+    if len(parts) > 1:  # joined with --join
+        lines += [f"Joined from {len(parts)} runs in parts (`kvpush bench serve --join`):", ""]
+        for n, part in enumerate(parts, 1):
+            planned, ran = part.get("systems") or [], part.get("ran", part.get("systems")) or []
+            cut = [s for s in planned if s not in ran]
+            systems = ", ".join(ran) + (f" (cut short before {', '.join(cut)})" if cut else "")
+            lines.append(
+                f"{n}. {part.get('date', '?')} at {part.get('kvpush_rev', '?')}, ran {systems}: "
+                f"`kvpush {' '.join(part.get('argv') or [])}`"
+            )
+        lines.append("")
+    else:
+        lines += [f"Command: `kvpush {' '.join(meta.get('argv') or [])}`", ""]
+    given = {c.probed_on for c in document.capacity.values()} == {GIVEN}
+    if document.capacity and given:
+        values = "; ".join(
+            f"{n} tokens: {c.req_s:.2f} req/s"
+            for n, c in sorted(document.capacity.items(), key=lambda kv: int(kv[0]))
+        )
+        lines += [
+            f"Prefill capacity given with --capacity (the QPS points are fractions of it, the "
+            f"same for every system and part): {values}.",
+            "",
+        ]
+    elif document.capacity:
         probes = "; ".join(
             f"{n} tokens: {c.req_s:.2f} req/s (on {c.probed_on})"
             for n, c in sorted(document.capacity.items(), key=lambda kv: int(kv[0]))

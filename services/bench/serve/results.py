@@ -84,6 +84,9 @@ class Point(msgspec.Struct, kw_only=True):
             self.point = self.label
 
 
+GIVEN = "given (--capacity)"  # Capacity.probed_on of a capacity given, not probed
+
+
 class Capacity(msgspec.Struct, kw_only=True):
     req_s: float
     probe_ttft_ms: list[float] = msgspec.field(default_factory=list)

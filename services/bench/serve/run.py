@@ -276,7 +276,7 @@ async def run(args: argparse.Namespace) -> int:
     document = Document(schema=results.SCHEMA, meta=_meta(args, ctx, the_plan))
     bench = Bench(ctx, the_plan, vocab)
     for length, req_s in (getattr(args, "capacity", None) or {}).items():
-        bench.capacity[length] = Capacity(req_s=req_s, probed_on="given (--capacity)")
+        bench.capacity[length] = Capacity(req_s=req_s, probed_on=results.GIVEN)
         bench.rates[length] = plan.auto_rates(req_s, the_plan.fractions)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in the_plan.systems}
     done: set[tuple[int, str]] = set()
