@@ -98,8 +98,8 @@ class WorkerHalf:
             layout,
         )
         rt = self.runtime
-        decode = s.role is WorkerRole.DECODE
-        self.poller = Poller(self.transport, **worker_intervals(decode), on_events=rt.notify)
+        intervals = worker_intervals(s.role is WorkerRole.DECODE, layout.mem_type is MemType.VRAM)
+        self.poller = Poller(self.transport, **intervals, on_events=rt.notify)
         self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
         rank = Rank(self.rank, self.tp_size)
         if s.role is WorkerRole.PREFILL:

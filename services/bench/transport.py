@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,16 @@ from kvpush.services.bench.transport_side import (
     make_setup,
     poll_us,
 )
+
+
+def _poll_us(text: str) -> str:
+    try:
+        busy, target = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want BUSY,TARGET in us, e.g. 50,200") from None
+    if busy <= 0 or target <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: intervals must be positive")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-us",
         metavar="BUSY,TARGET",
+        type=_poll_us,
         default=None,
         help="the streamed case: the pollers' busy and target intervals in us (default: what "
         "a kvpush worker uses)",
@@ -216,15 +228,23 @@ class _Bench:
                 self.transport.finish(tid)
                 ready[-1] = time.monotonic()  # the last layer's WRITE posted
 
+        box: list[Any] = []  # the poller, once built (its thread may call on_events first)
+
         def on_events() -> None:
             now = time.monotonic()
-            while not poller.events.empty():
-                event = poller.events.get_nowait()
+            while box:
+                try:
+                    event = box[0].events.get_nowait()
+                except queue.Empty:
+                    return
                 done[event.transfer_id] = (event, now)
 
-        poller = Poller(self.transport, **self.setup["intervals"]["prefill"], on_events=on_events)
-        gate = LayerGate(on_ready) if self.side.cuda else None
+        gate = None
         try:
+            box.append(
+                Poller(self.transport, **self.setup["intervals"]["prefill"], on_events=on_events)
+            )
+            gate = LayerGate(on_ready) if self.side.cuda else None
             forward = 0.0
             for layer in range(self.layers):
                 self.side.spin(layer_s)
@@ -242,7 +262,9 @@ class _Bench:
         finally:
             if gate is not None:
                 gate.close()
-            poller.stop()
+            if box:
+                box[0].stop()
+        on_events()  # an event queued before the poller was in the box (a failed start)
         if tid not in done:
             raise TimeoutError(f"streamed push {tid} did not end")
         event, p_done = done[tid]
@@ -410,7 +432,7 @@ def main(args: argparse.Namespace) -> int:
     setup = make_setup(
         args.device, args.gpu, args.tokens, args.error_mode, args.descriptors == "prepped"
     )
-    setup["intervals"] = intervals(args.poll_us)
+    setup["intervals"] = intervals(args.poll_us, args.device == "cuda")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=decode_side, args=(child, setup), daemon=True)

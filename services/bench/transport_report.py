@@ -78,12 +78,8 @@ def stream_table(cases: Sequence[dict[str, Any]]) -> str:
     return docgen.table([h for h, _ in STREAM_COLUMNS], rows)
 
 
-SETTINGS = (
-    "device",
-    "error_mode",
-    "descriptors",
-    "repeats",
-)  # what runs must share to be summarised
+SETTINGS = ("device", "error_mode", "descriptors", "repeats")  # what runs must share
+SETTING_DEFAULTS = {"device": "cpu"}  # what runs from before a setting existed ran with
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
@@ -93,7 +89,11 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
     if not runs:
         raise FileNotFoundError(f"no run-*.json in {folder}")
     shapes = {
-        tuple((c["tokens"], *(c.get(k) for k in SETTINGS)) for c in run["cases"]) for run in runs
+        tuple(
+            (c["tokens"], *(c.get(k, SETTING_DEFAULTS.get(k)) for k in SETTINGS))
+            for c in run["cases"]
+        )
+        for run in runs
     }
     if len(shapes) > 1:
         raise ValueError(f"{folder}: the runs differ in cases or settings {SETTINGS}: {shapes}")

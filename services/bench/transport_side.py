@@ -204,12 +204,12 @@ class Side:
         self.raw.close()
 
 
-def intervals(poll_us: str | None) -> dict[str, dict[str, float]]:
-    """Each side's Poller intervals: a prefill and a decode worker's, or ``BUSY,TARGET`` (us)
-    for both."""
+def intervals(poll_us: str | None, cuda: bool) -> dict[str, dict[str, float]]:
+    """Each side's Poller intervals: a prefill and a decode worker's (on ``cuda``: a GPU
+    host's), or ``BUSY,TARGET`` (us) for both."""
     from kvpush.connector import worker_intervals
 
-    found = {"prefill": worker_intervals(False), "decode": worker_intervals(True)}
+    found = {"prefill": worker_intervals(False, cuda), "decode": worker_intervals(True, cuda)}
     if poll_us:
         busy, target = (float(x) / 1e6 for x in poll_us.split(","))
         for side in found.values():

@@ -154,22 +154,24 @@ def test_a_time_budget_stops_between_systems_and_the_resume_finishes(
     tmp_path: Path, committed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--time-budget: no system starts once the run so far plus its longest system would pass
-    the budget; the checkpoint holds what ran, exit 3, and --resume runs the rest."""
+    the budget (not merely once the time spent passed it); the checkpoint holds what ran,
+    exit 3, and --resume runs the rest."""
     classes = {name: type(name, (Quick,), {"name": name}) for name in SYSTEMS}
     monkeypatch.setattr(run, "system_classes", lambda: classes)
-    clock = iter(range(0, 10_000, 100))  # every reading of the clock: 100 s later
-    monkeypatch.setattr(run.time, "monotonic", lambda: float(next(clock)))
+    now = [0.0]
+    monkeypatch.setattr(run.time, "monotonic", lambda: now[0])  # only systems take time
 
     async def measured(self: Any, system: System, repeat: int, rows: list) -> float:
+        now[0] += 100.0
         rows.append(_point(system.name, "qps 2", repeat))
         return 1.0
 
     monkeypatch.setattr(run.Bench, "run_system", measured)
-    args = _args(tmp_path, "--time-budget", "250", "--repeats", "1")
-    assert asyncio.run(run.run(args)) == 3
+    args = _args(tmp_path, "--time-budget", "150", "--repeats", "1")
+    assert asyncio.run(run.run(args)) == 3  # 100 s spent + 100 s for the next > 150 s
     saved = json.loads(checkpoint.path_in(Path(args.out_dir)).read_text())
     assert saved["done"] == [[0, SYSTEMS[0]]]
-    args = _args(tmp_path, "--resume", "--repeats", "1")
+    args = _args(tmp_path, "--resume", "--repeats", "1", "--time-budget", "250")
     assert asyncio.run(run.run(args)) == 0
     document = results.load(Path(args.out_dir) / "results.json")
     assert [p.system for p in document.points] == list(SYSTEMS)
@@ -228,3 +230,22 @@ def test_a_part_cut_short_joins_with_its_checkpoint(tmp_path: Path, committed: N
     part = join.load_part(checkpoint.path_in(out))
     assert list(part.systems) == ["vllm-pull"] and part.meta["cut_short"]
     assert [p.system for p in join.join([part]).points] == ["vllm-pull"]
+
+
+def test_capacity_is_refused_where_it_would_not_set_the_rates(tmp_path: Path) -> None:
+    from kvpush.services.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="--qps auto only"):
+        plan.from_args(_args(tmp_path, "--capacity", "2048=19"))  # _args: --qps 2
+    with pytest.raises(ConfigError, match=r"lacks input length\(s\) \[2048\]"):
+        plan.from_args(_args(tmp_path, "--qps", "auto", "--capacity", "8192=4"))
+
+
+def test_parts_with_other_rates_at_a_length_do_not_join(tmp_path: Path, committed: None) -> None:
+    from kvpush.services.bench.serve import join
+
+    args = _args(tmp_path, "--qps", "auto", "--capacity", "2048=19", "--fractions", "0.5")
+    first = results.Document(meta=_meta(args), rates_by_len={"2048": [9.5]})
+    second = results.Document(meta=_meta(args), rates_by_len={"2048": [9.0]})
+    with pytest.raises(join.JoinError, match="other rates at 2048"):
+        join.join([first, second])

@@ -70,7 +70,16 @@ def test_gpu_targets_scope_overhead_and_identity() -> None:
     assert shares[4:] == [("c=1", 0.75), ("qps 1", 0.75), ("qps 2", 0.75), ("qps 8", 0.75)]
     assert g6.verdict == "missed"  # kvpush-pull answered one request of four differently
     assert found["G6 (vllm-pull)"].verdict == "met"
+    # the order of the points (systems run in turn, rotated per repeat) changes nothing
+    shuffled = results.Document(meta=document.meta, points=document.points[::-1])
+    again = {v.key: v for v in summary_gpu.verdicts_of(shuffled, summary.rows(shuffled))}
+    assert sorted((p.label, p.value) for p in again["G6"].points) == sorted(shares)
     text = report.render(document)
     assert "G1: P99 TTFT vs vllm-pull >= 2.0x" in text and "**missed**" in text
+    failed = _document()
+    failed.points[1].output_digests = ["a", "b", "x", ""]  # kvpush-pull: one request failed
+    failed.points[1].errors = 1
+    g6 = {v.key: v for v in summary_gpu.verdicts_of(failed, summary.rows(failed))}["G6"]
+    assert [(p.value, p.why) for p in g6.points][4] == (2 / 3, "errors")
     cpu = results.Document(meta={}, points=document.points)
     assert {v.key for v in summary_gpu.verdicts_of(cpu, rows)} == {"T1", "T2", "T3", "T4"}

@@ -46,6 +46,10 @@ SAME_RUN_KEYS = (
     "output_len",
     "quick",
     "traced",
+    "capacity_given",
+    "device",
+    "load_format",
+    "gpu_memory_utilization",
 )
 
 

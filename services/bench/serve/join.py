@@ -39,12 +39,17 @@ def load_part(path: Path) -> Document:
         return results.load(path)
     saved = msgspec.json.decode(path.read_bytes(), type=checkpoint.Checkpoint)
     systems: dict[str, Any] = {}
+    repeats = int(saved.meta.get("repeats") or 1)
     for name, records in saved.runs.items():
         if records:
             failed = [r for r in records if not r.get("ok")]
             systems[name] = {"ok": not failed, "runs": records}
             if failed:
                 systems[name]["error"] = failed[0].get("error", "")
+            elif len(records) < repeats:  # the cut came between two of its repeats
+                systems[name].update(
+                    ok=False, error=f"cut short: {len(records)} of {repeats} repeats ran"
+                )
     return Document(
         schema=results.SCHEMA,
         meta={**saved.meta, "cut_short": True},
@@ -59,7 +64,7 @@ def join(parts: list[Document]) -> Document:
     if not parts:
         raise JoinError("--join: no results given")
     first = parts[0]
-    keys = [k for k in (*SAME_RUN_KEYS, "capacity_given", "device") if k not in FREE_KEYS]
+    keys = [k for k in SAME_RUN_KEYS if k not in FREE_KEYS]
     for n, part in enumerate(parts[1:], 2):
         differs = [k for k in keys if part.meta.get(k) != first.meta.get(k)]
         if differs:
@@ -89,7 +94,11 @@ def join(parts: list[Document]) -> Document:
         joined.points += [p for p in part.points if p.system == name]
         if name in part.systems:
             joined.systems[name] = part.systems[name]
-    for part in parts:
+    for n, part in enumerate(parts, 1):
+        for length, rates in part.rates_by_len.items():
+            if joined.rates_by_len.get(length, rates) != rates:
+                raise JoinError(f"--join: part {n} measured other rates at {length} tokens")
+            joined.rates_by_len[length] = rates
         joined.capacity.update(part.capacity)
-        joined.rates_by_len.update(part.rates_by_len)
+    joined.meta.pop("cut_short", None)
     return joined

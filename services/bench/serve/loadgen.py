@@ -81,7 +81,7 @@ class RequestResult:
     def digest(self) -> str:
         """A short digest of the completion ("" when it failed): equal across systems when
         they answered the same prompt with the same tokens."""
-        if self.error is not None or not self.text:
+        if self.error is not None:
             return ""
         return hashlib.blake2b(self.text.encode(), digest_size=6).hexdigest()
 

@@ -187,6 +187,12 @@ def from_args(args: argparse.Namespace) -> Plan:
             fixed_rates(qps)
         except ValueError:
             raise ConfigError(f"kvpush bench serve: --qps {qps!r}: rates or 'auto'") from None
+    capacity = getattr(args, "capacity", None) or {}
+    if capacity and qps != "auto":
+        raise ConfigError("kvpush bench serve: --capacity sets the rates of --qps auto only")
+    missing = sorted({t.input_len for t in tables} - set(capacity))
+    if capacity and missing:  # those would be probed, each part on its own
+        raise ConfigError(f"kvpush bench serve: --capacity lacks input length(s) {missing}")
     fractions = tuple(getattr(args, "fractions", None) or CAPACITY_FRACTIONS)
     if any(f <= 0 for f in fractions):
         raise ConfigError("kvpush bench serve: --fractions must be positive")

@@ -120,8 +120,11 @@ def overhead(all_rows: list[Row]) -> Verdict:
 
 def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
     """G6 over kvpush's systems; and the same share for every other disaggregated system."""
-    local = {(p.dataset, p.input_len, p.point, p.repeat): p for p in document.points}
-    local = {k: p for k, p in local.items() if p.system == "aggregated"}
+    local = {
+        (p.dataset, p.input_len, p.point, p.repeat): p
+        for p in document.points
+        if p.system == "aggregated"
+    }
     by_system: dict[str, list[VerdictPoint]] = {}
     for p in document.points:
         if p.system == "aggregated":
@@ -134,8 +137,10 @@ def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
             (a, b) for a, b in zip(p.output_digests, ref.output_digests, strict=False) if a and b
         ]
         share = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
-        why = "" if pairs else "no data"
-        by_system.setdefault(p.system, []).append(_vpoint(p, share, share == 1.0, why))
+        # a request that failed on either side is not compared: the point proves nothing of it
+        why = "no data" if not pairs else ("errors" if p.errors or ref.errors else "")
+        met = share == 1.0 and not why
+        by_system.setdefault(p.system, []).append(_vpoint(p, share, met, why))
     ours = [vp for name in IDENTITY_SYSTEMS for vp in by_system.get(name, [])]
     ratio = "share of requests with identical completions (kvpush-push points, then kvpush-pull)"
     main = _verdict("G6", "token identity with the aggregated engine: 100 %", "every point",
