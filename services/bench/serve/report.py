@@ -99,27 +99,20 @@ def _meta_lines(document: Document) -> list[str]:
         lines.append("")
     else:
         lines += [f"Command: `kvpush {' '.join(meta.get('argv') or [])}`", ""]
-    given = {c.probed_on for c in document.capacity.values()} == {GIVEN}
-    if document.capacity and given:
+    if document.capacity:
+        given = {c.probed_on for c in document.capacity.values()} == {GIVEN}
         values = "; ".join(
-            f"{n} tokens: {c.req_s:.2f} req/s"
+            f"{n} tokens: {c.req_s:.2f} req/s" + ("" if given else f" (on {c.probed_on})")
             for n, c in sorted(document.capacity.items(), key=lambda kv: int(kv[0]))
         )
-        lines += [
-            f"Prefill capacity given with --capacity (the QPS points are fractions of it, the "
-            f"same for every system and part): {values}.",
-            "",
-        ]
-    elif document.capacity:
-        probes = "; ".join(
-            f"{n} tokens: {c.req_s:.2f} req/s (on {c.probed_on})"
-            for n, c in sorted(document.capacity.items(), key=lambda kv: int(kv[0]))
+        how = (
+            "given with --capacity (the QPS points are fractions of it, the same for every "
+            "system and part)"
+            if given
+            else "probed once per input length (1 / median TTFT of 3 one-token requests in a "
+            "row) and used for every system and repeat"
         )
-        lines += [
-            f"Prefill capacity, probed once per input length (1 / median TTFT of 3 one-token "
-            f"requests in a row) and used for every system and repeat: {probes}.",
-            "",
-        ]
+        lines += [f"Prefill capacity, {how}: {values}.", ""]
     lines += [
         "Figures are the median over the repeats with [min–max]; times in ms. KV check: "
         "requests verified to have been served with a KV transfer (n/a: one engine).",

@@ -346,30 +346,28 @@ def verdicts(all_rows: list[Row], targets: tuple[Target, ...] = TARGETS) -> list
             elif ours.errors or other.errors:  # a figure of the survivors is no measure
                 why = "errors"
             met = not why and value is not None and target.met_by(value)
-            points.append(
-                VerdictPoint(
-                    dataset=ours.dataset,
-                    input_len=ours.input_len,
-                    point=ours.point,
-                    label=ours.label,
-                    capacity_fraction=ours.capacity_fraction,
-                    value=value,
-                    met=met,
-                    why=why,
-                )
-            )
-        if all(p.why == "no data" for p in points):  # also: no point in scope
-            verdict = "not measured"
-        else:
-            verdict = "met" if all(p.met for p in points) else "missed"
-        found.append(
-            Verdict(
-                key=target.key,
-                text=target.text,
-                scope=target.scope,
-                ratio=target.ratio_text,
-                verdict=verdict,
-                points=points,
-            )
-        )
+            points.append(verdict_point(ours, value, met, why))
+        found.append(judge(target.key, target.text, target.scope, target.ratio_text, points))
     return found
+
+
+def verdict_point(row: Row | Point, value: float | None, met: bool, why: str = "") -> VerdictPoint:
+    return VerdictPoint(
+        dataset=row.dataset,
+        input_len=row.input_len,
+        point=row.point,
+        label=row.label,
+        capacity_fraction=row.capacity_fraction,
+        value=value,
+        met=met,
+        why=why,
+    )
+
+
+def judge(key: str, text: str, scope: str, ratio: str, points: list[VerdictPoint]) -> Verdict:
+    """Met when every point of the scope met it; not measured when none had data."""
+    if all(p.why == "no data" for p in points):  # also: no point in scope
+        verdict = "not measured"
+    else:
+        verdict = "met" if all(p.met for p in points) else "missed"
+    return Verdict(key=key, text=text, scope=scope, ratio=ratio, verdict=verdict, points=points)

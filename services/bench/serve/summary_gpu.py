@@ -25,7 +25,7 @@ Threading model: pure functions over immutable inputs.
 
 from __future__ import annotations
 
-from kvpush.services.bench.serve.results import Document, Point
+from kvpush.services.bench.serve.results import Document
 from kvpush.services.bench.serve.summary import (
     REFERENCE,
     Row,
@@ -33,6 +33,8 @@ from kvpush.services.bench.serve.summary import (
     Verdict,
     VerdictPoint,
     _median,
+    judge,
+    verdict_point,
 )
 from kvpush.services.bench.serve.summary import (
     verdicts as ratio_verdicts,
@@ -81,27 +83,6 @@ def targets(all_rows: list[Row]) -> tuple[Target, ...]:
     )  # fmt: skip
 
 
-def _verdict(key: str, text: str, scope: str, ratio: str, points: list[VerdictPoint]) -> Verdict:
-    if not points or all(p.why == "no data" for p in points):
-        verdict = "not measured"
-    else:
-        verdict = "met" if all(p.met for p in points) else "missed"
-    return Verdict(key=key, text=text, scope=scope, ratio=ratio, verdict=verdict, points=points)
-
-
-def _vpoint(row: Row | Point, value: float | None, met: bool, why: str = "") -> VerdictPoint:
-    return VerdictPoint(
-        dataset=row.dataset,
-        input_len=row.input_len,
-        point=row.point,
-        label=row.label,
-        capacity_fraction=row.capacity_fraction,
-        value=value,
-        met=met,
-        why=why,
-    )
-
-
 def overhead(all_rows: list[Row]) -> Verdict:
     points = []
     for row in all_rows:
@@ -109,13 +90,13 @@ def overhead(all_rows: list[Row]) -> Verdict:
             continue
         parts = row.breakdown or {}
         if not all(name in parts for name in OVERHEAD_PARTS):
-            points.append(_vpoint(row, None, False, "no data"))
+            points.append(verdict_point(row, None, False, "no data"))
             continue
         value = round(sum(parts[name] for name in OVERHEAD_PARTS), 3)
-        points.append(_vpoint(row, value, value <= OVERHEAD_MS))
+        points.append(verdict_point(row, value, value <= OVERHEAD_MS))
     text = f"kvpush's own time in the TTFT <= {OVERHEAD_MS:g} ms"
     ratio = "ms: " + " + ".join(OVERHEAD_PARTS) + " (P50 each)"
-    return _verdict("G5", text, "c=1", ratio, points)
+    return judge("G5", text, "c=1", ratio, points)
 
 
 def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
@@ -131,7 +112,7 @@ def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
             continue
         ref = local.get((p.dataset, p.input_len, p.point, p.repeat))
         if ref is None or not p.output_digests or not ref.output_digests:
-            by_system.setdefault(p.system, []).append(_vpoint(p, None, False, "no data"))
+            by_system.setdefault(p.system, []).append(verdict_point(p, None, False, "no data"))
             continue
         pairs = [
             (a, b) for a, b in zip(p.output_digests, ref.output_digests, strict=False) if a and b
@@ -140,13 +121,13 @@ def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
         # a request that failed on either side is not compared: the point proves nothing of it
         why = "no data" if not pairs else ("errors" if p.errors or ref.errors else "")
         met = share == 1.0 and not why
-        by_system.setdefault(p.system, []).append(_vpoint(p, share, met, why))
+        by_system.setdefault(p.system, []).append(verdict_point(p, share, met, why))
     ours = [vp for name in IDENTITY_SYSTEMS for vp in by_system.get(name, [])]
     ratio = "share of requests with identical completions (kvpush-push points, then kvpush-pull)"
-    main = _verdict("G6", "token identity with the aggregated engine: 100 %", "every point",
+    main = judge("G6", "token identity with the aggregated engine: 100 %", "every point",
                     ratio, ours)  # fmt: skip
     others = [
-        _verdict(f"G6 ({name})", f"{name}: token identity with the aggregated engine",
+        judge(f"G6 ({name})", f"{name}: token identity with the aggregated engine",
                  "every point (informational)", "share of identical completions", points)
         for name, points in by_system.items() if name not in IDENTITY_SYSTEMS
     ]  # fmt: skip
