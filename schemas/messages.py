@@ -137,6 +137,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = []
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] = []
     ignore_eos: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top log-probabilities per token
 
 
 class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):

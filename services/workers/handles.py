@@ -29,6 +29,7 @@ class EngineOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    logprobs: list[dict[int, float]] | None = None  # per token: top ids -> log-probability
 
     @property
     def finished(self) -> bool:
@@ -100,6 +101,9 @@ class RequestHandle:
                 token_ids=[t for o in outs for t in o.token_ids],
                 text="".join(o.text for o in outs),
                 num_cached_tokens=outs[0].num_cached_tokens,
+                logprobs=None
+                if all(o.logprobs is None for o in outs)
+                else [pos for o in outs for pos in o.logprobs or []],
             )
 
 
@@ -109,4 +113,7 @@ def delta_of(out: Any) -> EngineOutput:
     reason = str(c.finish_reason or "stop") if out.finished else None
     error = "the engine failed this request" if reason == "error" else None
     kv, cached = out.kv_transfer_params, out.num_cached_tokens
-    return EngineOutput(out.request_id, list(c.token_ids), c.text, reason, error, kv, cached)
+    top = None
+    if c.logprobs is not None:  # asked for (SamplingSpec.logprobs): one dict per new token
+        top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in c.logprobs]
+    return EngineOutput(out.request_id, list(c.token_ids), c.text, reason, error, kv, cached, top)

@@ -2,14 +2,14 @@
 
 Two vLLM engines with the kvpush connector share one CUDA GPU (the Llama-3-8B shape, dummy
 weights, bf16) and a real nats-server. P prefills prompt A; D is handed prompt B (same length,
-same last token) with A's transfer. D's answer equals D's own answer to A (and differs from its
-answer to B) only if A's KV landed in D's blocks and D used it; a silent recompute would answer
-B (``swap`` says how bf16 is allowed for: D's answer differs from its answer to B and agrees
-with its answer to A longer). Also checked: D saw the KV land (``kv_landed_ns``) and both
-engines end with every block free. Three prompt pairs per mode and length; push and pull, 2k
-and 8k tokens. Writes ``gpu_swap.json``; exits 1 on any failure, and
-says INCONCLUSIVE when the model answers A and B alike (vLLM's dummy weights, uniform in
-+-1e-3, make a long prompt's answer depend on its last token only: then the swap proves nothing).
+same last token) with A's transfer. D's answer follows A only if A's KV landed in D's blocks and
+D used it; a silent recompute answers B. ``swap`` says how bf16 is allowed for: D's answer
+differs from its answer to B and its first token's log-probabilities lie near its answer to
+A's, far from B's. Also checked: D saw the KV land (``kv_landed_ns``) and both engines end
+with every block free. Three prompt pairs per mode and length; push and pull, 2k and 8k
+tokens. Writes ``gpu_swap.json``; exits 1 on any failure, and says INCONCLUSIVE when the model
+answers A and B alike (vLLM's dummy weights, uniform in +-1e-3, make a long prompt's answer
+depend on its last token only: then the swap proves nothing; the default redraws them).
 
     PYTHONUNBUFFERED=1 python3 -m tests.gpu.gpu_swap --out $OUT
 
@@ -33,6 +33,8 @@ from tests.gpu.gpu_transport import ensure_kvpush_importable
 
 MAX_TOKENS = 16
 PAIRS = 3  # prompt pairs per mode and length
+TOP_LOGPROBS = 8  # of the first generated token: where D's answer lies between A's and B's
+NEAR = 4.0  # D's first-token log-probabilities this many times nearer A's than B's
 TOKEN_KEYS = ("d", "ref_a", "ref_b")  # in the JSON, not printed
 
 
@@ -47,7 +49,7 @@ def connector(role: str, worker_id: str, nats_url: str) -> dict[str, Any]:
 
 
 def request(rid: str, ids: list[int], kv: dict | None, salt: str | None, n: int) -> dict:
-    sampling = {"max_tokens": n, "temperature": 0.0}
+    sampling = {"max_tokens": n, "temperature": 0.0, "logprobs": TOP_LOGPROBS}
     return {"request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
             "kv_transfer_params": kv, "cache_salt": salt}  # fmt: skip
 
@@ -63,13 +65,19 @@ def table(result: dict[str, Any]) -> str:
     from kvpush.services.bench import docgen
 
     head = ("mode", "prompt tokens", "tokens agreeing with A's answer", "with B's answer")
-    head += ("A token for token", "KV landed", "pass")
+    head += ("first-token logprob distance to A / B", "A token for token", "KV landed", "pass")
+
+    def dist(r: dict[str, Any]) -> str:
+        a, b = r.get("logprob_distance_a"), r.get("logprob_distance_b")
+        return "-" if a is None or b is None else f"{a:.4f} / {b:.4f}"
+
     rows = [
         (
             r["mode"],
             r["tokens"],
             f"{r['agree_a']} of {len(r['ref_a'])}",
             f"{r['agree_b']} of {len(r['ref_b'])}",
+            dist(r),
             "yes" if r["answers_a"] else "no",
             "yes" if r["kv_landed"] else "NO",
             "yes" if r["ok"] else "**NO**",
@@ -91,6 +99,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def distance(x: dict[int, float] | None, y: dict[int, float] | None) -> float | None:
+    """Mean absolute difference of two top-k log-probability dicts over the union of their
+    tokens (a token one of them lacks counts at that one's lowest value)."""
+    if not x or not y:
+        return None
+    floor_x, floor_y = min(x.values()), min(y.values())
+    tokens = set(x) | set(y)
+    return sum(abs(x.get(t, floor_x) - y.get(t, floor_y)) for t in tokens) / len(tokens)
+
+
+def first(out: dict[str, Any]) -> dict[int, float] | None:
+    return (out.get("logprobs") or [None])[0]
+
+
 def swap(p: Any, d: Any, rng: random.Random, length: int, mode: str) -> dict[str, Any]:
     """One swap: D's answer with A's KV against D's own answers to A and to B.
 
@@ -98,15 +120,17 @@ def swap(p: Any, d: Any, rng: random.Random, length: int, mode: str) -> dict[str
     cache hit): ``d == ref_b``. Moved KV makes D answer A; in bf16 not always token for token,
     since D then computes only the prompt's last token where its reference prefilled all of
     A (other GEMM shapes, other rounding; with random weights a near-tie can flip a greedy
-    token). So the rule: D's answer differs from its answer to B and agrees with its answer to A
-    longer than with B's (past the first token where A's and B's answers part)."""
+    token). So the rule is in log-probabilities: D's answer differs from its answer to B, and
+    its first token's top log-probabilities lie ``NEAR`` times nearer its answer to A's than
+    to B's (bf16 noise moves them a little; another context moves them a lot). How many
+    tokens D's answer shares with each reference is kept for the record."""
     a = [rng.randrange(10, 2000) for _ in range(length)]
     b = [*(rng.randrange(10, 2000) for _ in range(length - 1)), a[-1]]
     refs = []
     for ids in (a, b):  # D alone, its prefix cache kept apart by a unique salt
         rid = f"ref-{uuid.uuid4().hex[:10]}"
         (out,) = d.generate([request(rid, ids, None, rid, MAX_TOKENS)], timeout=300)
-        refs.append(out["token_ids"])
+        refs.append(out)
     tid = f"tx-gpu-{uuid.uuid4().hex[:10]}"
     kv = {"kvpush": {"transfer_id": tid, "prefill_id": "p-gpu", "decode_id": "d-gpu",
                      "mode": mode}}  # fmt: skip
@@ -117,31 +141,36 @@ def swap(p: Any, d: Any, rng: random.Random, length: int, mode: str) -> dict[str
     (p_out,) = p.collect([f"p-{tid}"], timeout=300)
     elapsed = round((time.perf_counter() - started) * 1e3, 1)
     got = d_out["token_ids"]
-    agree_a, agree_b = common_prefix(got, refs[0]), common_prefix(got, refs[1])
+    ref_a, ref_b = refs[0]["token_ids"], refs[1]["token_ids"]
+    agree_a, agree_b = common_prefix(got, ref_a), common_prefix(got, ref_b)
+    to_a, to_b = distance(first(d_out), first(refs[0])), distance(first(d_out), first(refs[1]))
+    near_a = to_a is not None and to_b is not None and to_a * NEAR < to_b
     ok = (
         d_out["error"] is None
         and p_out["error"] is None
-        and refs[0] != refs[1]
-        and got != refs[1]
-        and agree_a > agree_b
+        and ref_a != ref_b
+        and got != ref_b
+        and near_a
         and d_out.get("kv_landed_ns", 0) > 0
     )
     return {
         "mode": mode,
         "tokens": length,
-        "answers_a": got == refs[0],
+        "answers_a": got == ref_a,
         "agree_a": agree_a,
         "agree_b": agree_b,
-        "answers_b": got == refs[1],
-        "a_differs_from_b": refs[0] != refs[1],
-        "p_first_is_a": p_out["token_ids"][:1] == refs[0][:1],
+        "logprob_distance_a": None if to_a is None else round(to_a, 4),
+        "logprob_distance_b": None if to_b is None else round(to_b, 4),
+        "answers_b": got == ref_b,
+        "a_differs_from_b": ref_a != ref_b,
+        "p_first_is_a": p_out["token_ids"][:1] == ref_a[:1],
         "kv_landed": d_out.get("kv_landed_ns", 0) > 0,
         "errors": [d_out["error"], p_out["error"]],
         "ms": elapsed,
         "ok": ok,
         "d": got,
-        "ref_a": refs[0],
-        "ref_b": refs[1],
+        "ref_a": ref_a,
+        "ref_b": ref_b,
     }
 
 

@@ -69,6 +69,7 @@ def _output_dict(out: Any, handle: Any) -> dict[str, Any]:
         "error": out.error,
         "kv_transfer_params": out.kv_transfer_params,
         "num_cached_tokens": out.num_cached_tokens,
+        "logprobs": out.logprobs,
         "first_output_s": None if first is None else first - handle.submitted_at,
         "total_s": None if done is None else done - handle.submitted_at,
         "submitted_at": handle.submitted_at,  # time.monotonic(): one clock for every process
@@ -86,6 +87,7 @@ def _failed(request_id: str, error: str) -> dict[str, Any]:
         "error": error,
         "kv_transfer_params": None,
         "num_cached_tokens": None,
+        "logprobs": None,
         "first_output_s": None,
         "total_s": None,
         "submitted_at": None,
