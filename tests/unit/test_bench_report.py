@@ -229,3 +229,10 @@ OLD = {
     "itl_ms",
     "e2e_ms",
 }
+
+
+def test_a_panel_spanning_decades_gets_log_ticks() -> None:
+    from kvpush.services.bench.serve import plot
+
+    assert plot._log_ticks(60.0, 13000.0) == [50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]
+    assert plot._log_ticks(100.0, 100.0) == [100.0]

@@ -31,6 +31,9 @@ def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
         return ImageFont.load_default()
 
 
+LOG_SPAN = 20  # a panel whose values span more than this factor gets a log y axis
+
+
 def _nice_ticks(top: float, count: int = 5) -> list[float]:
     if top <= 0:
         return [0.0, 1.0]
@@ -38,6 +41,16 @@ def _nice_ticks(top: float, count: int = 5) -> list[float]:
     magnitude = 10 ** math.floor(math.log10(raw))
     step = min((m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw), default=raw)
     return [i * step for i in range(int(top / step) + 2)]
+
+
+def _log_ticks(low: float, high: float) -> list[float]:
+    """1-2-5 ticks of each decade from below ``low`` to above ``high``."""
+    ticks = []
+    for decade in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1):
+        ticks += [m * 10.0**decade for m in (1, 2, 5)]
+    first = max(t for t in ticks if t <= low)
+    last = min(t for t in ticks if t >= high)
+    return [t for t in ticks if first <= t <= last]
 
 
 def _panel(
@@ -56,10 +69,21 @@ def _panel(
         draw.text((left + 10, top + 10), "no data", fill=(120, 120, 120), font=small)
         return
     x_ticks = _nice_ticks(max(x for x, _ in points) * 1.05)
-    y_ticks = _nice_ticks(max(y for _, y in points) * 1.08)
-    x_max, y_max = x_ticks[-1], y_ticks[-1]
+    x_max = x_ticks[-1]
+    positive = [y for _, y in points if y > 0]
+    log = bool(positive) and max(positive) > LOG_SPAN * min(positive)  # else one line hides all
+    if log:
+        y_ticks = _log_ticks(min(positive), max(positive))
+        low, high = math.log10(y_ticks[0]), math.log10(y_ticks[-1])
+        draw.text((x0 + MARGIN + 150, y0 + 10), "log scale", fill=(120, 120, 120), font=small)
+    else:
+        y_ticks = _nice_ticks(max(y for _, y in points) * 1.08)
+    y_max = y_ticks[-1]
 
     def at(x: float, y: float) -> tuple[float, float]:
+        if log:
+            share = (math.log10(max(y, y_ticks[0])) - low) / (high - low)
+            return left + width * x / x_max, top + height * (1 - share)
         return left + width * x / x_max, top + height * (1 - y / y_max)
 
     for y in y_ticks:
