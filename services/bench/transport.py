@@ -52,14 +52,15 @@ from kvpush.services.bench.transport_side import (
 )
 
 
-def _poll_us(text: str) -> str:
+def _poll_us(text: str) -> tuple[float, float]:
+    """``BUSY,TARGET`` in us -> (busy, target) in seconds."""
     try:
         busy, target = (float(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: want BUSY,TARGET in us, e.g. 50,200") from None
     if busy <= 0 or target <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: intervals must be positive")
-    return text
+    return busy / 1e6, target / 1e6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,7 +335,6 @@ class _Bench:
             "push_tail",
         )
         runs: dict[str, list[float]] = {k: [] for k in keys}
-        streamed: dict[str, list[float]] = {k: [] for k in STREAM_KEYS}
         notify, descs = [], {}
         for _ in range(repeats):
             self.side.cold()
@@ -362,9 +362,6 @@ class _Bench:
             ):
                 self.side.cold()
                 runs[key].append(op())
-            self.side.cold()
-            for key, value in self.stream(blocks, straight, layer_s).items():
-                streamed[key].append(value)
         med = {k: statistics.median(v) for k, v in runs.items()}
         out: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes}
         for key, seconds in med.items():
@@ -379,9 +376,19 @@ class _Bench:
             push_vs_raw_layered=round(med["raw_layered"] / med["push"], 3),
             pull_vs_raw_read=round(med["raw_read"] / med["pull"], 3),
         )
-        for key, values in streamed.items():
-            out[f"stream_{key}"] = round(statistics.median(values), 1)
+        out.update(self._streamed(blocks, repeats, layer_s))
         return out
+
+    def _streamed(self, blocks: int, repeats: int, layer_s: float) -> dict[str, float]:
+        """``stream_*``: the medians of ``repeats`` streamed pushes, each from cold caches."""
+        import statistics
+
+        found: dict[str, list[float]] = {k: [] for k in STREAM_KEYS}
+        for _ in range(repeats):
+            self.side.cold()
+            for key, value in self.stream(blocks, [[FIRST_REMOTE, blocks]], layer_s).items():
+                found[key].append(value)
+        return {f"stream_{k}": round(statistics.median(v), 1) for k, v in found.items()}
 
     def _stream_case(
         self, tokens: int, nbytes: int, repeats: int, layer_s: float
@@ -389,21 +396,13 @@ class _Bench:
         """``--stream-only``: the streamed push alone, and what one idle ``poll()`` costs."""
         import statistics
 
-        streamed: dict[str, list[float]] = {k: [] for k in STREAM_KEYS}
-        for _ in range(repeats):
-            self.side.cold()
-            for key, value in self.stream(
-                tokens // BLOCK_SIZE, [[FIRST_REMOTE, tokens // BLOCK_SIZE]], layer_s
-            ).items():
-                streamed[key].append(value)
+        out: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes}
+        out.update(self._streamed(tokens // BLOCK_SIZE, repeats, layer_s))
         polls = []
         for _ in range(200):
             t0 = time.perf_counter()
             self.transport.poll()
             polls.append((time.perf_counter() - t0) * 1e6)
-        out: dict[str, Any] = {"tokens": tokens, "kv_bytes": nbytes}
-        for key, values in streamed.items():
-            out[f"stream_{key}"] = round(statistics.median(values), 1)
         out["idle_poll_us"] = round(statistics.median(polls), 1)
         return out
 

@@ -204,14 +204,14 @@ class Side:
         self.raw.close()
 
 
-def intervals(poll_us: str | None, cuda: bool) -> dict[str, dict[str, float]]:
+def intervals(given: tuple[float, float] | None, cuda: bool) -> dict[str, dict[str, float]]:
     """Each side's Poller intervals: a prefill and a decode worker's (on ``cuda``: a GPU
-    host's), or ``BUSY,TARGET`` (us) for both."""
+    host's), or ``given`` (busy, target seconds) for both."""
     from kvpush.connector import worker_intervals
 
     found = {"prefill": worker_intervals(False, cuda), "decode": worker_intervals(True, cuda)}
-    if poll_us:
-        busy, target = (float(x) / 1e6 for x in poll_us.split(","))
+    if given:
+        busy, target = given
         for side in found.values():
             side.update(busy_interval_s=busy, target_interval_s=target)
     return found

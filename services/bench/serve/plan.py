@@ -83,6 +83,7 @@ class Plan:
     min_requests: int
     output_len: int
     fractions: tuple[float, ...] = CAPACITY_FRACTIONS  # of the capacity, for qps "auto"
+    capacity: tuple[tuple[int, float], ...] = ()  # (input length, req/s) given, not probed
 
     def system_order(self, repeat: int) -> list[str]:
         """The systems of ``repeat`` (0-based): the list rotated by ``repeat``."""
@@ -197,5 +198,14 @@ def from_args(args: argparse.Namespace) -> Plan:
     if any(f <= 0 for f in fractions):
         raise ConfigError("kvpush bench serve: --fractions must be positive")
     return Plan(
-        systems, tables, qps, conc, repeats, duration, min_requests, args.output_len, fractions
+        systems,
+        tables,
+        qps,
+        conc,
+        repeats,
+        duration,
+        min_requests,
+        args.output_len,
+        fractions,
+        tuple(sorted(capacity.items())),
     )

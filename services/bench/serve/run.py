@@ -230,7 +230,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "repeats": the_plan.repeats,
         "qps": the_plan.qps,
         "fractions": list(the_plan.fractions),
-        "capacity_given": {str(k): v for k, v in (getattr(args, "capacity", None) or {}).items()},
+        "capacity_given": {str(k): v for k, v in the_plan.capacity},
         "concurrency": list(the_plan.concurrency),
         "duration_s": the_plan.duration_s,
         "min_requests": the_plan.min_requests,
@@ -275,7 +275,7 @@ async def run(args: argparse.Namespace) -> int:
         ctx.trace_dir.mkdir(parents=True, exist_ok=True)
     document = Document(schema=results.SCHEMA, meta=_meta(args, ctx, the_plan))
     bench = Bench(ctx, the_plan, vocab)
-    for length, req_s in (getattr(args, "capacity", None) or {}).items():
+    for length, req_s in the_plan.capacity:
         bench.capacity[length] = Capacity(req_s=req_s, probed_on=results.GIVEN)
         bench.rates[length] = plan.auto_rates(req_s, the_plan.fractions)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in the_plan.systems}
