@@ -8,7 +8,7 @@
 #
 # STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
 # under other poll intervals), stream (the streamed push with a worker's intervals), swap
-# (tests.gpu.gpu_swap), serve-a / serve-b (the serving
+# (tests.gpu.gpu_swap), serve-a / serve-b / serve-tuned / serve-kvpush (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
@@ -61,6 +61,20 @@ serve-b)
         --systems kvpush-push,vllm-pull --out-dir "$out/serve-b" \
         > "$out/serve-b.log" 2>&1
     echo "serve-b rc=$?"; tail -5 "$out/serve-b.log"
+    ;;
+serve-tuned)
+    # vLLM's pull with READ on cuda_ipc, alone (serve-a was cut before it)
+    timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems vllm-pull-tuned --out-dir "$out/serve-tuned" \
+        > "$out/serve-tuned.log" 2>&1
+    echo "serve-tuned rc=$?"; tail -5 "$out/serve-tuned.log"
+    ;;
+serve-kvpush)
+    # kvpush's two modes at this tree's revision (they replace older parts' points on --join)
+    timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems kvpush-push,kvpush-pull --out-dir "$out/serve-kvpush" \
+        > "$out/serve-kvpush.log" 2>&1
+    echo "serve-kvpush rc=$?"; tail -5 "$out/serve-kvpush.log"
     ;;
 *)
     echo "unknown step $step" >&2
