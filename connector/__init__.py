@@ -21,7 +21,13 @@ from kvpush.connector.layout import (
     runs_to_ids,
 )
 from kvpush.connector.link import EngineLink
-from kvpush.connector.params import ConnectorSettings, TransferParams, read_params, timing_of
+from kvpush.connector.params import (
+    ConnectorSettings,
+    PrefillToken,
+    TransferParams,
+    read_params,
+    timing_of,
+)
 from kvpush.connector.peering import CompatInfo, compat_hash
 from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
@@ -70,6 +76,7 @@ __all__ = [
     "NixlAgent",
     "Poller",
     "PoolLayout",
+    "PrefillToken",
     "Role",
     "TransferEvent",
     "TransferParams",

@@ -8,7 +8,9 @@ the scheduler half knows came through vLLM or its wake-up line (``connector/vllm
 The link gives the wake-up signal (``activity``), the pending count, the last step's idleness,
 every rank's identity (``ranks``, ``info`` for rank 0), and the suspect-peer input. The timing
 marks of a transfer come on the request's final output (``kvpush.connector.timing_of``), and
-those that came up in its last step from ``take_timing``.
+those that came up in its last step from ``take_timing``. A driver that attaches a link also
+takes on reporting the first tokens P sampled (``take_prefill_tokens``, after every step):
+without one, the connector lets decode sample them itself.
 
 An engine without a kvpush connector gets a link of its own event and no work: the driver's loop
 is the same with or without one.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvpush.connector.params import PrefillToken
 from kvpush.connector.vllm.runtime import ConnectorInfo
 from kvpush.schemas.messages import Timing
 
@@ -41,7 +44,10 @@ class EngineLink:
         """The link of vLLM's in-process ``EngineCore`` (``InprocClient.engine_core``)."""
         connector = getattr(engine_core.scheduler, "connector", None)
         half = getattr(connector, "scheduler_half", None)
-        return cls(half) if half is not None else cls()  # None: another vendor's connector
+        if half is None:  # another vendor's connector
+            return cls()
+        half.driver_takes_tokens = True  # this driver reports P's first tokens
+        return cls(half)
 
     @property
     def connected(self) -> bool:
@@ -70,6 +76,12 @@ class EngineLink:
     def take_timing(self, transfer_id: str) -> Timing | None:
         """Marks of ``transfer_id`` the final output could not carry yet (and forget them)."""
         return self._half.take_timing(transfer_id) if self._half is not None else None
+
+    def take_prefill_tokens(self) -> list[tuple[str, PrefillToken]]:
+        """P's first tokens to report as outputs now (vLLM's request id, the token and how
+        the answer ends with it), learned in the last step (and forget them). The driver that
+        attached the link must report them before the next step (``EngineHost`` does)."""
+        return self._half.take_prefill_tokens() if self._half is not None else []
 
     def suspect_peer(self, address: str) -> None:
         """Tell every rank's decode side that the peer at ``address`` may be gone."""

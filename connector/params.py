@@ -8,6 +8,7 @@
 - ``PrefillWork`` / ``DecodeWork``: one request's share of a step, as the scheduler half hands
   it to the worker half inside ``metadata.KVPushMetadata`` (pickled when the worker runs in
   another process, so these are msgspec structs).
+- ``PrefillToken``: the first token P sampled, from the decode side up to the engine's driver.
 
 vLLM-free, so the worker service and the gateway import it without loading vLLM.
 
@@ -39,6 +40,9 @@ class TransferParams(msgspec.Struct, frozen=True):
     prefill_address: str | None = None  # P's side channel (from its heartbeat): liveness probe
     prefill_addresses: list[str] = []  # with TP: every rank's, by rank (rank 0's is the above)
     received_ns: int = 0  # unix ns the worker got the RequestEvent (queue spans start here)
+    # decode: P samples the first token (FirstToken); the receive ends once the KV landed and
+    # that token came (or ``first_token_wait_s`` after the KV: then D samples it itself)
+    first_token_from_prefill: bool = False
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` dict to put on a request."""
@@ -92,6 +96,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     min_transfer_tokens: int = 2  # prompts shorter than this are computed locally on D
     ucx_error_handling_mode: str = "none"
     max_pending_announcements: int = 4096
+    first_token_wait_s: float = 2.0  # decode: after the KV landed, how long to wait for P's
+    # FirstToken before sampling the first token itself (an older or failing prefill worker)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -101,6 +107,33 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(
                 f"kvpush connector: invalid kv_connector_extra_config: {exc}"
             ) from None
+
+
+class PrefillToken(msgspec.Struct, frozen=True):
+    """The first token P sampled for a decode request (``FirstToken``), on its way from the
+    decode side to the engine's driver. Up to the scheduler half ``finish_reason`` is P's
+    ("stop": the token ends the answer); the scheduler half makes it the answer's end on D:
+    "stop" or "length" (the driver reports the token as the final output and ends the
+    request), or None (the request continues from the token; a ``stop_reason`` string stays:
+    D's detokenizer ends the answer on it)."""
+
+    token_id: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def first_token_end(
+    token: PrefillToken, max_tokens: int, num_tokens: int, max_model_len: int
+) -> PrefillToken:
+    """How a decode request's answer ends with P's first token (vLLM's stop check of a first
+    output token, from P's): "stop" for an end of sequence or a stop token (P's own check),
+    "length" for a one-token answer or a context the token fills, else None: the request goes
+    on from the token, and a stop string P saw in it stays for D's detokenizer to find."""
+    if token.finish_reason == "stop" and not isinstance(token.stop_reason, str):
+        return PrefillToken(token.token_id, "stop", token.stop_reason)
+    if max_tokens <= 1 or num_tokens + 1 >= max_model_len:
+        return PrefillToken(token.token_id, "length")
+    return PrefillToken(token.token_id, None, token.stop_reason)
 
 
 class PrefillWork(msgspec.Struct, frozen=True):

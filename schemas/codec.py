@@ -22,6 +22,7 @@ from kvpush.schemas.messages import (
     Abort,
     AbortAck,
     BlocksAnnounced,
+    FirstToken,
     KvFailed,
     KvPushed,
     KvPushing,
@@ -40,6 +41,7 @@ BusMessage = Union[  # noqa: UP007  (a runtime union object for msgspec)
     KvReady,
     KvPushed,
     KvPushing,
+    FirstToken,
     KvFailed,
     TokenChunk,
     Abort,
@@ -70,7 +72,7 @@ _CARRIES: Final[dict[SubjectKind, object]] = {
     SubjectKind.REQUEST: RequestEvent,
     SubjectKind.BLOCKS: BlocksAnnounced,
     SubjectKind.KV_READY: KvReady,
-    SubjectKind.KV_DONE: Union[KvPushed, KvPushing],  # noqa: UP007
+    SubjectKind.KV_DONE: Union[KvPushed, KvPushing, FirstToken],  # noqa: UP007
     SubjectKind.KV_FAILED: KvFailed,
     SubjectKind.TOKENS: TokenChunk,
     SubjectKind.ABORT: Union[Abort, AbortAck],  # noqa: UP007
@@ -130,7 +132,7 @@ def _check_ids(parsed: subjects.ParsedSubject, message: BusMessage) -> None:
     expected: dict[str, str] = {}
     if isinstance(message, RequestEvent):
         expected = {"prefill_id": ids[0], "decode_id": ids[1]}
-    elif isinstance(message, (KvPushed, KvPushing, KvFailed)):
+    elif isinstance(message, (KvPushed, KvPushing, FirstToken, KvFailed)):
         expected = {"decode_id": ids[0]}
     elif isinstance(message, WorkerHeartbeat):
         expected = {"worker_id": ids[1]}

@@ -22,6 +22,7 @@ from kvpush.schemas.messages import (
     Abort,
     AbortAck,
     BlocksAnnounced,
+    FirstToken,
     KvFailed,
     KvPushed,
     KvPushing,
@@ -56,9 +57,10 @@ _CHANNELS: Final[dict[str, tuple[str, dict[str, str], tuple[type, ...], str]]] =
     "kvDone": (
         f"{subjects.ROOT}.kv.done.{{decode}}",
         {"decode": "decode worker id"},
-        (KvPushed, KvPushing),
+        (KvPushed, KvPushing, FirstToken),
         "Prefill started (KvPushing: decode polls for the end at full rate) and finished"
-        " (KvPushed: observers, bookkeeping) pushing a transfer.",
+        " (KvPushed: observers, bookkeeping) pushing a transfer; the first token prefill"
+        " sampled (FirstToken: decode continues the answer from it).",
     ),
     "kvFailed": (
         f"{subjects.ROOT}.kv.failed.{{decode}}",

@@ -27,7 +27,11 @@ PROTOCOL_HISTORY: Final = {
     " and 1) on BlocksAnnounced, KvReady, KvPushed, KvFailed, AbortAck and Abort (rank"
     " absent on Abort: every rank), optional ``side_channels`` (one per rank) on"
     " WorkerHeartbeat; KvPushing (P -> D: a push started) on the kv.done subject (a decoder"
-    " older than it drops it as a wrong type: only its poll rate is lost)",
+    " older than it drops it as a wrong type: only its poll rate is lost); optional"
+    " ``first_token_by`` on RequestEvent (absent: decode) and FirstToken (P -> D: the token P"
+    " sampled, which D continues from) on the kv.done subject (an older prefill worker never"
+    " sends it: D computes the token itself after ``first_token_wait_s``; an older decode"
+    " worker ignores both and computes it as before)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -154,6 +158,10 @@ class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):
     sampling: SamplingSpec = SamplingSpec()
     mode: TransferMode = TransferMode.PUSH
     stream: bool = True
+    # who samples the answer's first token: the decode worker (after the KV landed, one engine
+    # step of its own) or the prefill worker, whose prefill samples it anyway (FirstToken: D
+    # then starts from it, its first step computes the second token). Push and pull only.
+    first_token_by: WorkerRole = WorkerRole.DECODE
 
 
 class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
@@ -248,6 +256,22 @@ class KvPushing(msgspec.Struct, **_tag("KvPushing")):
     tp: TpSize = 1
 
 
+class FirstToken(msgspec.Struct, **_tag("FirstToken")):
+    """P -> D on ``kvpush.v1.kv.done.<decode>`` for a RequestEvent with ``first_token_by``
+    prefill: the answer's first token, sampled by P's prefill with the request's sampling. D
+    reports it as its own first output and continues the answer from it. ``finish_reason`` and
+    ``stop_reason`` are how P's one-token request ended: ``stop`` when the token ends the answer
+    (end of sequence or a stop token: ``stop_reason`` None or the token id; a stop string:
+    ``stop_reason`` the string, D's detokenizer finds it too)."""
+
+    transfer_id: TransferId
+    prefill_id: WorkerId
+    decode_id: WorkerId
+    token_id: TokenId
+    finish_reason: FinishReason | None = None
+    stop_reason: TokenId | Annotated[str, Meta(max_length=256)] | None = None
+
+
 class KvFailed(msgspec.Struct, **_tag("KvFailed")):
     """P -> D (and observers) on ``kvpush.v1.kv.failed.<decode>``: D must fall back now."""
 
@@ -320,6 +344,8 @@ ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = (
     BlocksAnnounced,
     KvReady,
     KvPushed,
+    KvPushing,
+    FirstToken,
     KvFailed,
     TokenChunk,
     Abort,

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvpush.schemas.messages import TransferMode
+from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
 from kvpush.services.gateway.config import SETTINGS as GATEWAY_SETTINGS
 from kvpush.services.settings import ConfigError, Setting
@@ -37,6 +37,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     mode: TransferMode = TransferMode.PUSH
+    first_token: WorkerRole = WorkerRole.PREFILL
     max_inflight: int | None = None
     local_threshold: int | None = None
     trace_file: str | None = None
@@ -174,7 +175,7 @@ SETTINGS: tuple[Setting, ...] = (
         "KVPUSH_DTYPE",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
-    *(GATEWAY[name] for name in ("host", "port", "mode")),  # passed on to the gateway
+    *(GATEWAY[name] for name in ("host", "port", "mode", "first_token")),  # to the gateway
     Setting(
         "max_inflight",
         ("--max-inflight",),

@@ -14,6 +14,9 @@ and CI); ``pyproject.toml`` declares the range. Read against both versions'
 - Both have the three-argument ``__init__``, ``register_kv_caches``, ``has_pending_push_work``,
   ``build_connector_worker_meta``, the handshake-metadata hooks and ``request_finished``; the
   connector uses nothing else that differs (it leaves 0.26's cross-layer blocks off).
+- ``continue_from``, the one place the connector changes a vLLM ``Request``: P's first token
+  becomes a waiting decode request's last prompt token, the way both versions' streaming-input
+  sessions extend a waiting request (``Scheduler._update_request_as_session``).
 
 Threading model: none (import-time facts).
 """
@@ -62,3 +65,22 @@ def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> 
     return KVConnectorTransferResults(
         finished_sending=sending, finished_recving=recving, failed_recving=failed
     )
+
+
+def continue_from(request: Any, token_id: int) -> None:
+    """Make ``token_id`` (the first answer token, sampled by P) the last prompt token of
+    ``request``, a decode request whose KV is about to be reported received: vLLM then computes
+    that token's KV in the request's first step and samples the second token from it, instead
+    of recomputing the prompt's last token to sample the first. The answer still holds
+    ``max_tokens`` tokens (the driver reports this one), so the request's own budget (and
+    ``min_tokens``) shrink by one; its sampling parameters are copied, not changed in place
+    (the engine's output processor holds the same object)."""
+    request.prompt_token_ids = [*request.prompt_token_ids, token_id]
+    request._all_token_ids.append(token_id)
+    request.num_prompt_tokens = len(request.prompt_token_ids)
+    request.update_block_hashes()  # a block the token completes gets its prefix-cache hash
+    params = request.sampling_params.clone()
+    params.max_tokens = request.max_tokens - 1
+    params.min_tokens = max(0, params.min_tokens - 1)
+    request.sampling_params = params
+    request.max_tokens = params.max_tokens

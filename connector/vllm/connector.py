@@ -60,7 +60,8 @@ class KVPushConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(settings, block_size, engine_id)
+            max_model_len = vllm_config.model_config.max_model_len
+            self._scheduler = SchedulerHalf(settings, block_size, engine_id, max_model_len)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -124,11 +125,14 @@ class KVPushConnector(KVConnectorBase_V1):
         return KVPushHandshake(info) if info is not None else None
 
     def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
-        """This rank's timing marks of the step, for the scheduler half."""
+        """This rank's timing marks of the step and P's first tokens of the receives it
+        reported finished, for the scheduler half."""
         if self._worker is None:
             return None
-        marks = self._worker.take_marks()
-        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}) if marks else None
+        marks, tokens = self._worker.take_marks(), self._worker.take_first_tokens()
+        if not (marks or tokens):
+            return None
+        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM 0.26's per-step question; a failed receive is finished with invalid blocks."""

@@ -8,29 +8,32 @@ each one's blocks (one ``Leg`` per P rank; a P of smaller TP gives each D rank a
 A receive is reported to vLLM (``finished_recving``; plus ``failed_recving`` for a fallback)
 only on a quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
 come), or P declared dead (its side channel stopped answering after an abort went unanswered).
-A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3).
+A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3). A request that
+asked for P's first token (``first_token_from_prefill``) is reported once its KV landed and
+P's ``FirstToken`` came (``first_token_wait_s`` at most), the token going up with it
+(``take_first_tokens``: the scheduler half makes it the request's last prompt token). The
+probes of silent peers are ``probes.ProbingMixin``'s.
 
 The per-transfer object and its states are ``incoming.Incoming``'s.
 
-Threading model: ``on_bus`` runs on the bus thread, ``on_work``/``collect`` on the engine
-thread; both take ``self.lock``. The liveness probe of a silent peer runs on a short-lived
-thread and reports back through ``self.lock``.
+Threading model: ``on_bus``/``on_pushed`` run on the bus thread, ``on_work``/``collect`` on
+the engine thread; all take ``self.lock``. The liveness probe of a silent peer runs on a
+short-lived thread and reports back through ``self.lock``.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
-from kvpush.connector.params import ConnectorSettings, DecodeWork, ReceiveKind
+from kvpush.connector.params import ConnectorSettings, DecodeWork, PrefillToken, ReceiveKind
 from kvpush.connector.peering import TpMismatch, peer_ranks
-from kvpush.connector.sidechannel import TransportError, fetch_peer
 from kvpush.connector.tracing import emit_span, now_ns, trace_parent, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.incoming import Incoming, IncomingState
+from kvpush.connector.vllm.probes import ProbingMixin
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 from kvpush.connector.vllm.side import Legs, Rank, SideBase
 from kvpush.schemas import subjects
@@ -38,6 +41,7 @@ from kvpush.schemas.messages import (
     Abort,
     AbortAck,
     BlocksAnnounced,
+    FirstToken,
     KvFailed,
     KvPushed,
     KvPushing,
@@ -47,7 +51,7 @@ from kvpush.schemas.messages import (
 log = logging.getLogger(__name__)
 
 
-class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
+class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck | FirstToken"]):
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -60,6 +64,7 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
         super().__init__(settings, transport, bus, runtime, rank)
         self.block_size = block_size
         self._probing: set[str] = set()  # suspected peers being probed
+        self._first_tokens: dict[str, PrefillToken] = {}  # by request: reported this step
         me = settings.worker_id
         bus.subscribe(subjects.kv_ready(me), self.on_bus)
         bus.subscribe(subjects.kv_failed(me), self.on_bus)
@@ -78,14 +83,23 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
     def on_pushed(self, subject: str, message: object) -> None:
         """KvPushing: P's WRITEs started, poll for the notice at full rate now. KvPushed is
         P's report (the NIXL notice already completed the receive): its instants go to the
-        marks table for the request's TokenChunk."""
+        marks table for the request's TokenChunk. FirstToken: the token P sampled, which a
+        receive that asked for it waits for (every rank: P's service sends it once)."""
         if isinstance(message, KvPushing) and self.mine(message):
             self.transport.hurry(message.transfer_id)
         elif isinstance(message, KvPushed) and self.mine(message):
             self.runtime.marks.record_timing(message.transfer_id, message.timing)
+        elif isinstance(message, FirstToken):
+            with self.lock:
+                if not self._deliver(message.transfer_id, message):
+                    return
+            self.runtime.notify()
 
-    def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck) -> None:
+    def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck | FirstToken) -> None:
         tid = inc.work.params.transfer_id
+        if isinstance(message, FirstToken):
+            inc.first_token = message
+            return
         pull = inc.work.kind is ReceiveKind.PULL
         if isinstance(message, KvReady):
             self.runtime.marks.record_timing(tid, message.timing)
@@ -166,6 +180,8 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                 tid = item.params.transfer_id
                 if item.kind is ReceiveKind.LOCAL:
                     self._tell_prefill(item, "decode computes this prompt locally")
+                    self._ended[tid] = True  # P's late messages (FirstToken) are dropped
+                    self._early.pop(tid, None)
                 elif item.kind is ReceiveKind.ABORT:
                     inc = self._by_tid.get(tid)
                     if inc is not None:
@@ -298,57 +314,6 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
             state = TransferState.ABORTED
         self._settle(inc, state, legs.summary())
 
-    def _peer_alive(self, address: str) -> bool:
-        """Does the side channel at ``address`` still answer (1 s)? Runs off the engine thread."""
-        config = self.transport.config
-        try:
-            fetch_peer(address, config.compat, "kvpush-probe", 1.0, token=config.token)
-        except TransportError:
-            return False
-        except Exception:  # anything else is not proof of death
-            return True
-        return True
-
-    def _probe(self, inc: Incoming, addresses: list[str]) -> None:
-        """P never acknowledged: a P rank whose side channel is gone is dead and nothing of it
-        can land (each writing rank is probed: the target is quiesced when all are)."""
-        dead = [address for address in addresses if not self._peer_alive(address)]
-        with self.lock:
-            inc.probing = False
-            for address in dead:
-                log.warning(
-                    "prefill at %s is gone: releasing transfer %s",
-                    address,
-                    inc.work.params.transfer_id,
-                )
-                self.transport.peer_lost(address)
-            if len(dead) < len(addresses):
-                inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
-                self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
-        self.runtime.notify()
-
-    def _probe_suspects(self) -> None:
-        """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
-        for address in self.runtime.take_suspects():
-            if address in self._probing or not any(
-                address in inc.peers and not inc.settled for inc in self._by_tid.values()
-            ):
-                continue
-            self._probing.add(address)
-            threading.Thread(target=self._probe_address, args=(address,), daemon=True).start()
-
-    def _probe_address(self, address: str) -> None:
-        alive = self._peer_alive(address)
-        with self.lock:
-            self._probing.discard(address)
-            if not alive:
-                log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
-                self.transport.peer_lost(address)
-                for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
-                    if address in inc.peers and inc.state is IncomingState.WAITING:
-                        self._settle(inc, TransferState.FAILED)
-        self.runtime.notify()
-
     def collect(self, events: list[TransferEvent]) -> tuple[set[str], dict[str, list[int]]]:
         """(received request ids, failed request ids -> the blocks they were to receive into),
         each request reported once, in one of the two."""
@@ -387,15 +352,49 @@ class DecodeSide(SideBase[Incoming, "KvReady | KvFailed | AbortAck"]):
                     and not inc.probing
                     and now - inc.abort_sent_at > self.settings.abort_ack_timeout_s
                 ):
-                    inc.probing = True
-                    probe = threading.Thread(target=self._probe, args=(inc, inc.peers), daemon=True)
-                    probe.start()
-                if not inc.settled:
+                    self._probe_later(inc)
+                if not inc.settled or self._awaits_first_token(inc, now):
                     continue
                 req_id = inc.work.req_id
                 if inc.failed and not inc.request_ended:
                     failed[req_id] = list(inc.work.block_ids)
                 else:
                     finished.add(req_id)
+                token = inc.first_token
+                if token is not None and not inc.failed and not inc.request_ended:
+                    self._first_tokens[req_id] = PrefillToken(
+                        token.token_id,
+                        token.finish_reason.value if token.finish_reason else None,
+                        token.stop_reason,
+                    )
                 self._forget(tid)
         return finished, failed
+
+    def _awaits_first_token(self, inc: Incoming, now: float) -> bool:
+        """A receive whose KV landed waits for P's first token (at most ``first_token_wait_s``:
+        then the engine samples it itself, as for a request that never asked)."""
+        if (
+            not inc.work.params.first_token_from_prefill
+            or inc.first_token is not None
+            or inc.failed
+            or inc.request_ended
+        ):
+            return False
+        if inc.token_due is None:
+            inc.token_due = now + self.settings.first_token_wait_s
+            self.runtime.wake_at(inc.token_due)
+        if now < inc.token_due:
+            return True
+        log.warning(
+            "transfer %s: no first token from prefill %.1f s after the KV landed: decode"
+            " samples it",
+            inc.work.params.transfer_id,
+            self.settings.first_token_wait_s,
+        )
+        return False
+
+    def take_first_tokens(self) -> dict[str, PrefillToken]:
+        """The first tokens of the receives reported finished since the last call, by request."""
+        with self.lock:
+            tokens, self._first_tokens = self._first_tokens, {}
+        return tokens

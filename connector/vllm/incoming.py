@@ -9,7 +9,8 @@ States (one transition method, ``Incoming.advance``)::
 WAITING: pull mode before any P rank's KvReady (nothing posted yet). RECEIVING: push announced
 and expected, or a pull READ posted (``legs``: one per P rank holding our heads). ABORTING: we
 aborted a started receive and wait for P's AbortAck, its notice, its death, or (pull) our own
-READs to quiesce. SETTLED: a quiesced outcome (``outcome``); reported once.
+READs to quiesce. SETTLED: a quiesced outcome (``outcome``); reported once (a receive that
+asked for P's first token and landed: once that token came, or ``first_token_wait_s`` later).
 
 Threading model: none; ``DecodeSide`` owns these objects and changes them under its lock.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from kvpush.connector.params import DecodeWork
 from kvpush.connector.transfer import TransferState
 from kvpush.connector.vllm.side import Legs, check_transition
+from kvpush.schemas.messages import FirstToken
 
 
 class IncomingState(str, enum.Enum):
@@ -54,6 +56,8 @@ class Incoming:
     failed: bool = False
     request_ended: bool = False
     waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
+    first_token: FirstToken | None = None  # P's sampled token, when the request asked for it
+    token_due: float | None = None  # settled DONE without it: reported without it from then
 
     def advance(self, new: IncomingState, outcome: TransferState | None = None) -> None:
         """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""

@@ -4,7 +4,8 @@
   once per engine step: this step's prefill and decode work, the suspect peers the driver named,
   whether the step schedules no tokens.
 - ``KVPushWorkerMeta``: one worker half -> the scheduler half, with a step's output: the timing
-  marks that rank learned. vLLM merges the ranks' objects with ``aggregate``.
+  marks that rank learned, and the first tokens P sampled for the receives it reports finished
+  in that step. vLLM merges the ranks' objects with ``aggregate``.
 - ``KVPushHandshake``: one worker half -> the scheduler half, once after KV registration
   (``get_handshake_metadata``): that rank's ``ConnectorInfo``.
 
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvpush.connector.params import DecodeWork, PrefillWork
+from kvpush.connector.params import DecodeWork, PrefillToken, PrefillWork
 from kvpush.connector.vllm.runtime import ConnectorInfo
 from kvpush.schemas.messages import Timing
 
@@ -36,13 +37,19 @@ class KVPushMetadata(KVConnectorMetadata):
 
 
 class KVPushWorkerMeta(KVConnectorWorkerMetadata):
-    def __init__(self, marks: dict[str, list[Timing]]) -> None:
+    def __init__(
+        self,
+        marks: dict[str, list[Timing]],
+        first_tokens: dict[str, PrefillToken] | None = None,
+    ) -> None:
         self.marks = marks  # transfer id -> the instants each rank learned
+        self.first_tokens = first_tokens or {}  # request id -> the first token P sampled
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         if isinstance(other, KVPushWorkerMeta):
             for tid, timings in other.marks.items():
                 self.marks.setdefault(tid, []).extend(timings)
+            self.first_tokens.update(other.first_tokens)  # every rank got the same token
         return self
 
 

@@ -22,6 +22,10 @@ Decode (push or pull):
   update_state_after_alloc(n=0) for a kvpush request never loaded -> DecodeWork(LOCAL)
   request_finished while still receiving -> DecodeWork(ABORT); vLLM keeps the blocks until the
   worker reports the receive finished (only once no WRITE can land: rule 3)
+  P's first token (``first_token_from_prefill``, with a driver that reports it): it comes up
+  with the receive's end in the worker metadata; the request then continues from it (its last
+  prompt token: ``compat.continue_from``) or ends with it, and ``take_prefill_tokens`` hands
+  it to the driver, which reports it as the request's first output
 Prefill:
   every scheduled step of a kvpush request -> PrefillWork(block ids, completes=last chunk)
   request_finished -> delay_free=True until the worker reports the push finished (rule 4);
@@ -44,13 +48,16 @@ from kvpush.connector.params import (
     TIMING_KEY,
     ConnectorSettings,
     DecodeWork,
+    PrefillToken,
     PrefillWork,
     ReceiveKind,
     TransferMode,
     TransferParams,
+    first_token_end,
     read_params,
 )
 from kvpush.connector.tracing import emit_span, now_ns
+from kvpush.connector.vllm import compat
 from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.vllm.runtime import ConnectorInfo, TimingMarks
 from kvpush.connector.vllm.wake import WakeListener
@@ -60,9 +67,16 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
-    def __init__(self, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        block_size: int,
+        engine_id: str,
+        max_model_len: int = 1 << 30,
+    ) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.is_decode = settings.role is WorkerRole.DECODE
         self._wake = WakeListener(engine_id)
         self.activity: threading.Event = self._wake.event
@@ -78,6 +92,12 @@ class SchedulerHalf:
         # prefill: req_id -> (params, block ids so far, prompt tokens) while still in prefill
         self._prefilling: dict[str, tuple[TransferParams, list[int], int]] = {}
         self._awaiting_push: set[str] = set()  # finished requests whose blocks wait for a push
+        # decode: the requests that asked for P's first token while their KV is on the way
+        # (vLLM's Request objects), P's tokens seen for them, and what the driver must report
+        self._want_token: dict[str, Any] = {}
+        self._tokens: dict[str, PrefillToken] = {}
+        self._for_driver: list[tuple[str, PrefillToken]] = []
+        self.driver_takes_tokens = False  # set by the driver that reports them (EngineLink)
         self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
         # driver then sleeps until the worker half's activity signal instead of stepping again)
 
@@ -120,6 +140,10 @@ class SchedulerHalf:
         first_block = first_token // self.block_size
         last_block = -(-num_tokens // self.block_size)
         kind = ReceiveKind.PULL if params.mode is TransferMode.PULL else ReceiveKind.PUSH
+        if params.first_token_from_prefill and self.driver_takes_tokens:
+            self._want_token[req_id] = request
+        elif params.first_token_from_prefill:  # nobody would report P's token: D samples it
+            params = msgspec.structs.replace(params, first_token_from_prefill=False)
         self._meta.decode.append(
             DecodeWork(
                 kind,
@@ -137,6 +161,26 @@ class SchedulerHalf:
         for req_id in req_ids:
             self._receiving.pop(req_id, None)
             self._aborting.discard(req_id)
+            request = self._want_token.pop(req_id, None)
+            token = self._tokens.pop(req_id, None)
+            if request is not None and token is not None:
+                self._continue(req_id, request, token)
+
+    def _continue(self, req_id: str, request: Any, token: PrefillToken) -> None:
+        """P's first token for a request whose KV is in: the answer ends with it, or the
+        request continues from it (its last prompt token now: ``compat.continue_from``).
+        Either way the driver reports it as the request's first output
+        (``take_prefill_tokens``)."""
+        end = first_token_end(token, request.max_tokens, request.num_tokens, self.max_model_len)
+        if end.finish_reason is None:
+            compat.continue_from(request, token.token_id)
+        self._for_driver.append((req_id, end))
+
+    def take_prefill_tokens(self) -> list[tuple[str, PrefillToken]]:
+        """P's first tokens the driver must report as outputs (request id, token, the answer's
+        end), in the order their receives finished (and forget them)."""
+        tokens, self._for_driver = self._for_driver, []
+        return tokens
 
     # ---- prefill side ---------------------------------------------------------------------
     def _prefill_step(
@@ -237,6 +281,9 @@ class SchedulerHalf:
             for tid, timings in worker_meta.marks.items():
                 for timing in timings:
                     self._marks.record_timing(tid, timing)
+            for req_id, token in worker_meta.first_tokens.items():
+                if req_id in self._want_token:  # with TP a rank may report it a step early
+                    self._tokens[req_id] = token
         self.receive_finished(set(output.finished_recving or ()))
         self.push_finished(set(output.finished_sending or ()))
 
@@ -244,12 +291,19 @@ class SchedulerHalf:
         req_id = request.request_id
         if self.is_decode:
             self._handled.discard(req_id)
+            self._want_token.pop(req_id, None)
+            self._tokens.pop(req_id, None)
             params = self._receiving.pop(req_id, None)
             if params is not None:  # ended while its KV was still on the way
                 self._meta.decode.append(DecodeWork(ReceiveKind.ABORT, req_id, params))
                 self._aborting.add(req_id)
             mine = params or read_params(request.kv_transfer_params)
-            timing = self._marks.take(mine.transfer_id) if mine is not None else None
+            # an aborted request's output (a stop string the detokenizer found, P's token that
+            # ended the answer) is already out: its marks stay for the driver (take_timing)
+            aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
+            if mine is None or aborted:
+                return False, None
+            timing = self._marks.take(mine.transfer_id)
             if timing is None:
                 return False, None
             return False, {TIMING_KEY: msgspec.to_builtins(timing)}

@@ -12,7 +12,8 @@ With tensor parallelism there is one worker half per TP rank, each with its own 
 side channel and bus connection; rank r pairs with rank r of the peer (``rank`` on every bus
 message of a transfer). The half owns its rank's ``WorkerRuntime`` (wake-up line, suspects,
 timing marks, ``info``) and ``BusThread``; what the driver must learn goes up through vLLM:
-``handshake`` (this rank's ``ConnectorInfo``, once) and ``worker_meta`` (timing marks, each step).
+``handshake`` (this rank's ``ConnectorInfo``, once) and ``worker_meta`` (timing marks and P's
+first tokens, each step).
 
 Threading model: vLLM calls every method on its worker thread. The Poller thread only queues
 transport events (and sets ``runtime.activity``); the bus thread calls the sides' ``on_bus``;
@@ -28,7 +29,7 @@ from typing import Any
 
 from kvpush.connector.bus import BusConfig
 from kvpush.connector.layout import MemType, pool_layout
-from kvpush.connector.params import ConnectorSettings
+from kvpush.connector.params import ConnectorSettings, PrefillToken
 from kvpush.connector.peering import CompatInfo, paged_layout_name
 from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.transfer import TransferEvent
@@ -194,6 +195,11 @@ class WorkerHalf:
     def take_marks(self) -> dict[str, Timing]:
         """The timing marks learned since the last step (for the scheduler half)."""
         return self.runtime.marks.take_all()
+
+    def take_first_tokens(self) -> dict[str, PrefillToken]:
+        """P's first tokens of the receives this step reported finished (for the scheduler
+        half, which continues those requests from them)."""
+        return self.decode.take_first_tokens() if self.decode is not None else {}
 
     def shutdown(self) -> None:
         if self._gate is not None:

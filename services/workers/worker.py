@@ -309,6 +309,7 @@ class Worker:
             prefill_address=prefill_addresses[0] if prefill_addresses else None,
             prefill_addresses=list(prefill_addresses or []),
             received_ns=entry.received_ns,
+            first_token_from_prefill=event.first_token_by is WorkerRole.PREFILL,
         ).to_params()
 
     # ---- aborts -----------------------------------------------------------------------------

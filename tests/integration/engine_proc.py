@@ -66,6 +66,7 @@ def _output_dict(out: Any, handle: Any) -> dict[str, Any]:
         "token_ids": list(out.token_ids),
         "text": out.text,
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
         "error": out.error,
         "kv_transfer_params": out.kv_transfer_params,
         "num_cached_tokens": out.num_cached_tokens,
@@ -84,6 +85,7 @@ def _failed(request_id: str, error: str) -> dict[str, Any]:
         "token_ids": [],
         "text": "",
         "finish_reason": None,
+        "stop_reason": None,
         "error": error,
         "kv_transfer_params": None,
         "num_cached_tokens": None,
@@ -146,8 +148,10 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
                 continue
             handles.pop(rid, None)
             results.append(_output_dict(out, handle))
-            transfer_of.pop(rid, None)
-            marks = timing_of(out.kv_transfer_params)
+            tid = transfer_of.pop(rid, None)
+            # as the decode worker reads them: on the final output, or (an answer that ended by
+            # an abort the engine made itself: a stop string) kept for the driver
+            marks = timing_of(out.kv_transfer_params) or (tid and host.link.take_timing(tid))
             results[-1]["kv_landed_ns"] = marks.kv_landed if marks is not None else 0
         send("reply", seq, True, results)
 

@@ -98,12 +98,14 @@ async def reference(
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("length", [50, 300], ids=["under-1-block", "3-blocks"])
+@pytest.mark.parametrize("first_token_by", ["prefill", "decode"])
 async def test_decode_streams_what_one_engine_computes_after_the_kv_moved(
-    workers: Workers, rng: random.Random, mode: str, length: int
+    workers: Workers, rng: random.Random, mode: str, length: int, first_token_by: str
 ) -> None:
     obs = workers.observer
     ids = prompt(rng, length)
-    chunks = await obs.generate(obs.event(P, D, ids, mode, MAX_TOKENS))
+    event = obs.event(P, D, ids, mode, MAX_TOKENS, first_token_by=first_token_by)
+    chunks = await obs.generate(event)
     assert_well_formed(chunks, FinishReason.LENGTH, length)
     assert kv_landed(chunks) > 0, chunks[-1]  # a silent recompute on D fails here
     expected = await reference(obs, ids)
@@ -121,6 +123,27 @@ async def test_a_non_streaming_request_gets_one_chunk_with_every_token(
     assert kv_landed([chunk]) > 0, chunk
     assert chunk.token_ids == tokens_of(await reference(obs, ids, 12))
     assert chunk.usage is not None and chunk.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("ends", ["max_tokens", "stop_token"])
+async def test_an_answer_that_ends_with_the_prefill_s_first_token(
+    workers: Workers, rng: random.Random, ends: str
+) -> None:
+    """P's first token is the whole answer (one token asked for; a stop token): D sends it as
+    one engine would, without a step of its own, and both workers get every block back."""
+    obs = workers.observer
+    ids = prompt(rng, 300)
+    first = tokens_of(await reference(obs, ids))[0]
+    limits = {"max_tokens": (1, {}), "stop_token": (MAX_TOKENS, {"stop_token_ids": [first]})}
+    max_tokens, extra = limits[ends]
+    chunks = await obs.generate(obs.event(P, D, ids, "push", max_tokens, **extra))
+    expected = await obs.generate(obs.event(P, REF, ids, "local", max_tokens, **extra))
+    assert kv_landed(chunks) > 0, chunks[-1]
+    assert tokens_of(chunks) == tokens_of(expected) == [first]
+    assert text_of(chunks) == text_of(expected)
+    assert chunks[-1].finish_reason is expected[-1].finish_reason
+    for worker in (P, D):
+        await obs.fresh_beat(worker, lambda b: b.in_flight == 0 and b.free_blocks == b.total_blocks)
 
 
 async def test_a_full_decode_worker_answers_overloaded_at_once_and_an_abort_frees_it(

@@ -33,6 +33,7 @@ from kvpush.schemas.messages import (
     TokenChunk,
     TransferMode,
     WorkerHeartbeat,
+    WorkerRole,
 )
 
 MODEL = "kvpush-tiny"
@@ -180,9 +181,11 @@ class Observer:
         deadline_s: float = 60.0,
         stream: bool = True,
         model: str = MODEL,
+        first_token_by: str = "prefill",
         **sampling: Any,
     ) -> RequestEvent:
-        """A RequestEvent as the gateway makes it (greedy unless ``sampling`` says otherwise)."""
+        """A RequestEvent as the gateway makes it (greedy unless ``sampling`` says otherwise;
+        P samples the first token in push and pull, as the gateway's default has it)."""
         tid = secrets.token_urlsafe(12)
         return RequestEvent(
             transfer_id=tid,
@@ -196,6 +199,7 @@ class Observer:
             sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, **sampling),
             mode=TransferMode(mode),
             stream=stream,
+            first_token_by=WorkerRole(first_token_by if mode != "local" else "decode"),
         )
 
     async def publish(self, event: RequestEvent) -> None:

@@ -18,8 +18,10 @@ from kvpush.schemas import (
     BlocksAnnounced,
     FailReason,
     FinishReason,
+    FirstToken,
     KvFailed,
     KvPushed,
+    KvPushing,
     KvReady,
     LayerTiming,
     MessageError,
@@ -56,6 +58,7 @@ SAMPLES: list[tuple[str, object]] = [
             deadline_ms=10**12,
             sampling=SamplingSpec(max_tokens=8, temperature=0.0, stop=["\n"], seed=7),
             mode=TransferMode.PULL,
+            first_token_by=WorkerRole.PREFILL,
         ),
     ),
     (
@@ -94,6 +97,21 @@ SAMPLES: list[tuple[str, object]] = [
             num_tokens=256,
             push_ms=1.5,
             layers=[LayerTiming(0, 0.1, 0.4)],
+        ),
+    ),
+    (
+        subjects.kv_done("d0"),
+        KvPushing(transfer_id=TID, prefill_id="p0", decode_id="d0", rank=1, tp=2),
+    ),
+    (
+        subjects.kv_done("d0"),
+        FirstToken(
+            transfer_id=TID,
+            prefill_id="p0",
+            decode_id="d0",
+            token_id=42,
+            finish_reason=FinishReason.STOP,
+            stop_reason="\n",
         ),
     ),
     (
