@@ -92,7 +92,7 @@ EXPECTED = {  # (service, span) -> how many in one push request's trace
     ("kvpush-prefill", "kv.push"): 1,
     ("kvpush-prefill", "kv.push.done"): 1,
     ("kvpush-prefill", "bus.publish"): 1,  # KvPushed
-    ("kvpush-decode", "bus.receive"): 2,  # the RequestEvent, P's KvPushed
+    ("kvpush-decode", "bus.receive"): 3,  # the RequestEvent, P's FirstToken and KvPushed
     ("kvpush-decode", "decode.receive"): 1,
     ("kvpush-decode", "decode.allocate"): 1,
     ("kvpush-decode", "blocks.announce"): 1,
@@ -170,7 +170,16 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
     assert parent(announce) is d_receive
     assert parent(one("kvpush-prefill", "bus.receive", "kvpush.v1.blocks.")) is announce
     pushed = one("kvpush-prefill", "bus.publish", "kvpush.v1.kv.done.")
-    assert parent(one("kvpush-decode", "bus.receive", "kvpush.v1.kv.done.")) is pushed
+    done_subject = f"kvpush.v1.kv.done.{DECODE_ID}"
+    kv_done = [
+        r
+        for r in trace
+        if (r.service, r.name) == ("kvpush-decode", "bus.receive")
+        and r.attributes.get("messaging.destination.name") == done_subject
+    ]
+    # P's KvPushed, and the first token its service sent on the request's own context
+    assert sorted(parent(r).name for r in kv_done) == ["bus.publish", "bus.receive"], kv_done
+    assert {parent(r).span_id for r in kv_done} == {pushed.span_id, p_receive.span_id}
 
     push = one("kvpush-prefill", "kv.push")
     assert [e.name for e in push.events] == ["layer"] * LAYERS

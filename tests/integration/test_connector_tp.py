@@ -35,6 +35,7 @@ from tests.integration.conftest import (
 )
 from tests.integration.engine_proc import EngineProc, start_engine
 from tests.integration.test_connector_vllm import BLOCK, prompt, reference, request
+from tests.integration.test_first_token import swap
 
 pytestmark = pytest.mark.engine
 P_TP, D_TP = "p-tp2", "d-tp2"
@@ -190,6 +191,24 @@ def test_tp_swap_decode_answers_from_every_rank_s_moved_kv(
     assert d_out["kv_landed_ns"] > 0, d_out
     reports = observer.of(kind, tid)
     assert sorted((m.rank, m.tp) for m in reports) == [(r, p_ranks) for r in range(p_ranks)]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(("prefill_id", "decode_id"), PAIRS, ids=PAIR_IDS)
+def test_every_decode_rank_continues_from_the_token_prefill_sampled(
+    engines: dict[str, EngineProc],
+    nats_server: EmbeddedNats,
+    rng: random.Random,
+    mode: str,
+    prefill_id: str,
+    decode_id: str,
+) -> None:
+    """P's first token (sent once, on the bus) reaches every D rank, and the request continues
+    from it: D, handed a prompt with another last token, answers P's prompt's answer (the swap
+    of tests/integration/test_first_token.py; a D rank that sampled the token itself would
+    recompute that last token and answer otherwise)."""
+    pair = (engines[prefill_id], engines[decode_id])
+    swap(pair, nats_server.url, rng, mode, (prefill_id, decode_id))
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -52,7 +52,7 @@ def send(nats_url: str, message: Any) -> None:
     async def publish() -> None:
         bus = await Bus.connect(BusConfig(url=nats_url, name="test-prefill-service"))
         try:
-            await bus.publish(subjects.kv_done(DECODE_ID), message)
+            await bus.publish(subjects.kv_done(message.decode_id), message)
             await bus.flush()
         finally:
             await bus.close()
@@ -67,12 +67,15 @@ def run(
     d_ids: list[int],
     mode: str,
     spec: SamplingSpec,
+    ids: tuple[str, str] = (PREFILL_ID, DECODE_ID),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """P prefills ``p_ids`` sampling the first token, D is handed ``d_ids`` with the same
-    transfer; P's token goes to D over the bus (``nats_url`` None: it never does)."""
+    transfer; P's token goes to D over the bus (``nats_url`` None: it never does). ``ids``:
+    the engines' worker ids (P, D)."""
     prefill, decode = engines
     tid = f"tx-{uuid.uuid4().hex[:16]}"
     kv = kv_params(tid, mode, first_token_from_prefill=True)
+    kv["kvpush"].update(prefill_id=ids[0], decode_id=ids[1])
     p_req = {"request_id": f"p-{tid}", "prompt_token_ids": p_ids, "kv_transfer_params": kv}
     p_req["sampling"] = msgspec.to_builtins(prefill_sampling(spec))
     d_req = {"request_id": f"d-{tid}", "prompt_token_ids": d_ids, "kv_transfer_params": kv}
@@ -89,7 +92,7 @@ def run(
             p_out["finish_reason"],
             stop_reason=p_out["stop_reason"],
         )
-        send(nats_url, first_token_of(tid, PREFILL_ID, DECODE_ID, final))
+        send(nats_url, first_token_of(tid, *ids, final))
     (d_out,) = decode.collect([d_req["request_id"]])
     assert d_out["error"] is None, d_out
     assert d_out["kv_landed_ns"] > 0, d_out  # D had the moved KV
@@ -109,15 +112,30 @@ def test_decode_continues_from_the_token_prefill_sampled(
     Sampling the first token itself, D would recompute its prompt's last token (B's) over A's
     other positions and answer ``own_first``; computing the prompt (B) and going on from P's
     token, it would answer ``silent``."""
-    decode = pd_engines[1]
-    a = prompt(rng, 2 * BLOCK + 40)
-    b = prompt(rng, len(a))
-    b[-1] = (a[-1] + 7) % 1990 + 10
-    expected = alone(decode, a, sampling())["token_ids"]
-    own_first = alone(decode, [*a[:-1], b[-1]], sampling())["token_ids"]
-    silent = alone(decode, [*b, expected[0]], sampling(MAX_TOKENS - 1))["token_ids"]
-    assert expected != own_first and expected[1:] != silent  # the swap tells them apart
-    p_out, d_out = run(pd_engines, nats_server.url, a, b, mode, sampling())
+    swap(pd_engines, nats_server.url, rng, mode)
+
+
+def swap(
+    engines: tuple[EngineProc, EngineProc],
+    nats_url: str,
+    rng: random.Random,
+    mode: str,
+    ids: tuple[str, str] = (PREFILL_ID, DECODE_ID),
+) -> None:
+    """The swap of ``test_decode_continues_from_the_token_prefill_sampled``."""
+    decode = engines[1]
+    for _ in range(5):  # a pair of prompts the swap tells apart (the tiny model may not)
+        a = prompt(rng, 2 * BLOCK + 40)
+        b = prompt(rng, len(a))
+        b[-1] = (a[-1] + 7) % 1990 + 10
+        expected = alone(decode, a, sampling())["token_ids"]
+        own_first = alone(decode, [*a[:-1], b[-1]], sampling())["token_ids"]
+        silent = alone(decode, [*b, expected[0]], sampling(MAX_TOKENS - 1))["token_ids"]
+        if expected != own_first and expected[1:] != silent:
+            break
+    else:
+        pytest.fail("no prompt pair of five tells the swap apart")
+    p_out, d_out = run(engines, nats_url, a, b, mode, sampling(), ids)
     assert d_out["token_ids"] == expected
     assert d_out["token_ids"][0] == p_out["token_ids"][0]
     assert d_out["finish_reason"] == "length"
