@@ -83,3 +83,15 @@ def test_gpu_targets_scope_overhead_and_identity() -> None:
     assert [(p.value, p.why) for p in g6.points][4] == (2 / 3, "errors")
     cpu = results.Document(meta={}, points=document.points)
     assert {v.key for v in summary_gpu.verdicts_of(cpu, rows)} == {"T1", "T2", "T3", "T4"}
+
+
+def test_with_prefill_s_first_token_decode_s_hand_off_is_kvpush_s_own_time() -> None:
+    """D runs no model step for a first token P sampled: its decode_first_step (taking P's
+    token up, reporting it) counts in G5; a point of a run without it keeps it out."""
+    document = _document()
+    for point in document.points:
+        if point.system == "kvpush-push":
+            point.first_token_by = "prefill"
+    rows = summary.rows(document)
+    g5 = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}["G5"]
+    assert [(p.label, p.value, p.met) for p in g5.points] == [("c=1", 14.7, False)]

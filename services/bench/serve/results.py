@@ -78,6 +78,7 @@ class Point(msgspec.Struct, kw_only=True):
     breakdown: dict[str, Any] | None = None
     transfer_check: TransferCheck | None = None
     output_digests: list[str] = msgspec.field(default_factory=list)  # per request, "" failed
+    first_token_by: str = ""  # "prefill": P sampled the first token (kvpush, --first-token)
 
     def __post_init__(self) -> None:
         if not self.point:

@@ -149,6 +149,7 @@ class Bench:
             "start_s": start_s,
             **loadgen.summarize(found, wall),
             "transfer_check": msgspec.to_builtins(check),
+            "first_token_by": getattr(system, "first_token_by", ""),
         }
         if system.transfer == "gateway":
             row["breakdown"] = await _breakdown(url, {r.request_id for r in found if r.request_id})

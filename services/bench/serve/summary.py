@@ -71,6 +71,7 @@ class Row(msgspec.Struct, kw_only=True):
     figures: dict[str, Spread]
     check: CheckSummary
     breakdown: dict[str, float] | None = None  # part -> median over repeats of its P50
+    first_token_by: str = ""  # "prefill": P sampled the first token (see results.Point)
 
     @property
     def table(self) -> tuple[str, int]:
@@ -165,6 +166,7 @@ def rows(document: Document) -> list[Row]:
                 figures=figures,
                 check=_check(points),
                 breakdown=_breakdown(points),
+                first_token_by=first.first_token_by,
             )
         )
     found.sort(key=lambda r: (order[r.table], *_order(r), system_order(r.system)))

@@ -180,6 +180,7 @@ class System:
 class KvpushSystem(System):
     mode: ClassVar[str]
     transfer = "gateway"
+    first_token_by = "prefill"  # the gateway's default, named: the TTFT breakdown reads it
 
     def __init__(self) -> None:
         super().__init__()
@@ -198,6 +199,7 @@ class KvpushSystem(System):
         """The ``kvpush up`` command of this system (sets ``trace_file`` when tracing)."""
         argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
         argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
+        argv += ["--first-token", self.first_token_by]
         argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
         argv += ["--device", ctx.device, "--load-format", ctx.load_format]
         if ctx.cuda:
