@@ -8,7 +8,8 @@
 #
 # STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
 # under other poll intervals), stream (the streamed push with a worker's intervals), swap
-# (tests.gpu.gpu_swap), serve-a / serve-b / serve-tuned / serve-kvpush (the serving
+# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve), serve-a / serve-b / serve-tuned /
+# serve-kvpush / serve-aggregated (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
@@ -47,6 +48,17 @@ stream)
     ;;
 swap)
     timeout 330 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" 2>&1 | tail -15
+    ;;
+check)
+    # kvpush up on the GPU: push and pull token-identical to local, KV received (gpu.md)
+    timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check" --repeats 2 2>&1 | tail -12
+    ;;
+serve-aggregated)
+    # the one-engine floor again, in the same sitting as serve-kvpush
+    timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
+        --systems aggregated --out-dir "$out/serve-aggregated" \
+        > "$out/serve-aggregated.log" 2>&1
+    echo "serve-aggregated rc=$?"; tail -5 "$out/serve-aggregated.log"
     ;;
 serve-a)
     # the committed part ran under `timeout 440` (the session's device time left) and was cut
