@@ -14,7 +14,8 @@ prefill_compute     prefill_start -> prefill_end (P's forward of the prompt)
 push_tail           prefill_end -> kv_sent (transfer time not hidden behind compute; pull:
                     D's READ)
 decode_wait         kv_sent -> kv_landed (D learns the KV is there)
-decode_first_step   kv_landed -> first_token (D's first engine step; mode local: D's prefill)
+decode_first_step   kv_landed -> first_token (D's first engine step; with P's first token: D
+                    taking it up and reporting it, no model step; mode local: D's prefill)
 streaming           first_token -> first_byte (token chunk over the bus, gateway writes it)
 ==================  =========================================================================
 

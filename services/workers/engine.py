@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -95,6 +95,22 @@ def rank_core_lists(cores: list[int], tp: int) -> str:
     return "|".join(",".join(map(str, ranks)) for ranks in lists)
 
 
+def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables an engine of ``cfg`` sets before vLLM is imported (what is
+    already in ``environ`` of the optional ones stays). On CUDA, UCX's cuda_ipc transport moves
+    a NIXL READ (pull mode) of GPU memory only with GET zero-copy on; without it the READ fell
+    back to TCP (docs/benchmarks/gpu.md: 351 ms for a 2k prompt's KV on the H200)."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if cfg.device == "cuda":
+        if cfg.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
+        if "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in environ:
+            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+    return env
+
+
 class EngineHost:
     """A vLLM engine on its own thread; the module docstring describes the loop."""
 
@@ -122,11 +138,7 @@ class EngineHost:
         if self._thread is not None:
             raise RuntimeError("EngineHost already started")
         cfg = self.config
-        env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if cfg.device == "cuda" and cfg.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
-        elif cfg.device != "cuda":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        env = engine_env(cfg, os.environ)
         if cfg.cpu_cores:
             # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (one core list
             # per rank, "|" between); in process the affinity set here is what pins (OpenMP

@@ -84,7 +84,7 @@ serve-tuned)
 serve-kvpush)
     # kvpush's two modes at this tree's revision (they replace older parts' points on --join)
     timeout 585 setsid python3 -m kvpush.services.cli "${SERVE[@]}" \
-        --systems kvpush-push,kvpush-pull --out-dir "$out/serve-kvpush" \
+        --systems kvpush-pull,kvpush-push --out-dir "$out/serve-kvpush" \
         > "$out/serve-kvpush.log" 2>&1
     echo "serve-kvpush rc=$?"; tail -5 "$out/serve-kvpush.log"
     ;;

@@ -157,3 +157,18 @@ def test_the_layer_gate_does_nothing_once_closed() -> None:
     gate.drain()
     gate.close()
     assert handed == []
+
+
+def test_an_engine_on_cuda_reads_gpu_memory_over_cuda_ipc_unless_told_otherwise() -> None:
+    """Pull mode's NIXL READ of GPU memory takes UCX's cuda_ipc lane only with GET zero-copy
+    on (else TCP); a value the operator set stays."""
+    from kvpush.services.workers.engine import EngineConfig, engine_env
+
+    cuda = EngineConfig(model_dir="m", device="cuda", gpu=1)
+    env = engine_env(cuda, {})
+    assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in engine_env(
+        cuda, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "off"}
+    )
+    cpu = engine_env(EngineConfig(model_dir="m"), {})
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in cpu and cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
