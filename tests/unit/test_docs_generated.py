@@ -94,12 +94,14 @@ def test_gpu_md_swap_and_transport_sections_are_what_the_committed_runs_generate
 
 
 def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
-    """docs/benchmarks/gpu-serve.md's tables are what its results.json generates, and that
-    results.json is what --join makes of the two committed parts."""
+    """docs/benchmarks/gpu-serve.md's tables are what its results.json generates, that
+    results.json is what --join makes of the committed parts (in the doc's order), and the
+    reports of single parts the doc cites are what those parts generate."""
     from kvpush.services.bench.serve import join, report, results, summary, summary_gpu
 
     folder = DOCS / "benchmarks" / "gpu-serve"
-    parts = [folder / "parts" / "b-results.json", folder / "parts" / "a-results.partial.json"]
+    names = ("b-results.json", "a-results.partial.json", "c-vllm-pull-tuned.json")
+    parts = [folder / "parts" / name for name in (*names, "d-aggregated.json", "e-kvpush.json")]
     joined = join.join([join.load_part(p) for p in parts])
     committed = results.load(folder / "results.json")
     assert [p.system for p in committed.points] == [p.system for p in joined.points]
@@ -107,6 +109,9 @@ def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
     rows = summary.rows(joined)
     assert msgspec_builtins(summary_gpu.verdicts_of(joined, rows)) == committed.verdicts
     assert report.check_doc(DOCS / "benchmarks" / "gpu-serve.md", folder / "results.json") is None
+    for cited in ("b-results", "kvpush-tcp-read"):
+        doc, data = folder / "parts" / f"{cited}.md", folder / "parts" / f"{cited}.json"
+        assert report.check_doc(doc, data) is None, cited
 
 
 def msgspec_builtins(value: object) -> object:
