@@ -47,6 +47,7 @@ class EngineLink:
         if half is None:  # another vendor's connector
             return cls()
         half.driver_takes_tokens = True  # this driver reports P's first tokens
+        half.free_blocks = engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks
         return cls(half)
 
     @property

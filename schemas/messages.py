@@ -31,7 +31,9 @@ PROTOCOL_HISTORY: Final = {
     " ``first_token_by`` on RequestEvent (absent: decode) and FirstToken (P -> D: the token P"
     " sampled, which D continues from) on the kv.done subject (an older prefill worker never"
     " sends it: D computes the token itself after ``first_token_wait_s``; an older decode"
-    " worker ignores both and computes it as before)",
+    " worker ignores both and computes it as before); optional ``prefill_token`` on Timing and"
+    " ``sends_first_token`` on WorkerHeartbeat (a gateway asks P for the first token only"
+    " where its heartbeat says it sends one)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -188,7 +190,8 @@ class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
 
     Each service fills what it saw: the gateway ``arrived``/``published``/``first_byte``, P
     ``prefill_received``/``prefill_start``/``prefill_end`` (and ``kv_sent`` in push mode, the
-    last WRITE done), D ``decode_received``/``kv_landed`` (pull: its READ done)/``first_token``.
+    last WRITE done), D ``decode_received``/``kv_landed`` (pull: its READ done)/``first_token``,
+    and ``prefill_token`` when D continued from the first token P sampled (0: D sampled it).
     ``kvpush.services.telemetry.breakdown`` turns them into the TTFT breakdown. Clocks of
     different hosts are compared as they are: keep them NTP-synced.
     """
@@ -201,6 +204,7 @@ class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_sent: UnixNanos = 0
     decode_received: UnixNanos = 0
     kv_landed: UnixNanos = 0
+    prefill_token: UnixNanos = 0  # D took up P's FirstToken (the receive was reported with it)
     first_token: UnixNanos = 0
     first_byte: UnixNanos = 0
 
@@ -337,6 +341,7 @@ class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
     sent_at_ms: UnixMillis
     draining: bool = False
     side_channels: Annotated[list[Address], Meta(max_length=MAX_TP)] = []  # by rank
+    sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
 
 
 ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = (

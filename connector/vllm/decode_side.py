@@ -98,7 +98,9 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck | FirstToken) -> None:
         tid = inc.work.params.transfer_id
         if isinstance(message, FirstToken):
-            inc.first_token = message
+            inc.prefill_token = message
+            return
+        if inc.settled:  # reported soon (it waits for P's token): late word changes nothing
             return
         pull = inc.work.kind is ReceiveKind.PULL
         if isinstance(message, KvReady):
@@ -360,7 +362,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
                     failed[req_id] = list(inc.work.block_ids)
                 else:
                     finished.add(req_id)
-                token = inc.first_token
+                token = inc.prefill_token
                 if token is not None and not inc.failed and not inc.request_ended:
                     self._first_tokens[req_id] = PrefillToken(
                         token.token_id,
@@ -373,24 +375,15 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
     def _awaits_first_token(self, inc: Incoming, now: float) -> bool:
         """A receive whose KV landed waits for P's first token (at most ``first_token_wait_s``:
         then the engine samples it itself, as for a request that never asked)."""
-        if (
-            not inc.work.params.first_token_from_prefill
-            or inc.first_token is not None
-            or inc.failed
-            or inc.request_ended
-        ):
+        if not inc.wants_prefill_token:
             return False
         if inc.token_due is None:
             inc.token_due = now + self.settings.first_token_wait_s
             self.runtime.wake_at(inc.token_due)
         if now < inc.token_due:
             return True
-        log.warning(
-            "transfer %s: no first token from prefill %.1f s after the KV landed: decode"
-            " samples it",
-            inc.work.params.transfer_id,
-            self.settings.first_token_wait_s,
-        )
+        tid, wait_s = inc.work.params.transfer_id, self.settings.first_token_wait_s
+        log.warning("transfer %s: no first token from prefill in %.1f s: D samples it", tid, wait_s)
         return False
 
     def take_first_tokens(self) -> dict[str, PrefillToken]:

@@ -56,7 +56,7 @@ class Incoming:
     failed: bool = False
     request_ended: bool = False
     waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
-    first_token: FirstToken | None = None  # P's sampled token, when the request asked for it
+    prefill_token: FirstToken | None = None  # P's sampled token, when the request asked for it
     token_due: float | None = None  # settled DONE without it: reported without it from then
 
     def advance(self, new: IncomingState, outcome: TransferState | None = None) -> None:
@@ -80,3 +80,9 @@ class Incoming:
     @property
     def settled(self) -> bool:
         return self.state is IncomingState.SETTLED
+
+    @property
+    def wants_prefill_token(self) -> bool:
+        """Landed, asked for P's first token, which has not come (and is still wanted)."""
+        asked = self.work.params.first_token_from_prefill and self.prefill_token is None
+        return asked and not self.failed and not self.request_ended

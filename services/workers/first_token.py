@@ -72,7 +72,12 @@ def report(engine: Any, tokens: list[tuple[str, PrefillToken]]) -> list[Any]:
         )
         for req_id, token in tokens
     ]
-    processed = engine.output_processor.process_outputs(outputs)
+    processor = engine.output_processor
+    processed = processor.process_outputs(outputs)
+    for req_id, token in tokens:  # the engine's own first output brings its prefill stats
+        state = processor.request_states.get(req_id)  # (prompt tokens served from cache)
+        if state is not None and not token.finish_reason:
+            state.is_prefilling = True
     ended = [req_id for req_id, token in tokens if token.finish_reason]
     ended += [req_id for req_id in processed.reqs_to_abort if req_id not in ended]
     if ended:

@@ -355,6 +355,7 @@ class Worker:
             total_blocks=self.host.total_blocks(),
             sent_at_ms=now_ms(),
             draining=self._draining,
+            sends_first_token=self.role is WorkerRole.PREFILL,  # prefill.py: FirstToken
         )
 
     async def registry_entries(self, role: WorkerRole) -> list[WorkerHeartbeat]:

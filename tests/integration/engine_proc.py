@@ -75,6 +75,7 @@ def _output_dict(out: Any, handle: Any) -> dict[str, Any]:
         "total_s": None if done is None else done - handle.submitted_at,
         "submitted_at": handle.submitted_at,  # time.monotonic(): one clock for every process
         "kv_landed_ns": 0,  # set by collect: when D's connector had the moved KV (0: it did not)
+        "prefill_token_ns": 0,  # ... and when it took up P's first token (0: D sampled it)
     }
 
 
@@ -94,6 +95,7 @@ def _failed(request_id: str, error: str) -> dict[str, Any]:
         "total_s": None,
         "submitted_at": None,
         "kv_landed_ns": 0,
+        "prefill_token_ns": 0,
     }
 
 
@@ -152,7 +154,8 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
             # as the decode worker reads them: on the final output, or (an answer that ended by
             # an abort the engine made itself: a stop string) kept for the driver
             marks = timing_of(out.kv_transfer_params) or (tid and host.link.take_timing(tid))
-            results[-1]["kv_landed_ns"] = marks.kv_landed if marks is not None else 0
+            results[-1]["kv_landed_ns"] = marks.kv_landed if marks else 0
+            results[-1]["prefill_token_ns"] = marks.prefill_token if marks else 0
         send("reply", seq, True, results)
 
     def wait_tokens(seq: int, rid: str, count: int, timeout: float) -> None:

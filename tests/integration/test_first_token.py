@@ -96,6 +96,8 @@ def run(
     (d_out,) = decode.collect([d_req["request_id"]])
     assert d_out["error"] is None, d_out
     assert d_out["kv_landed_ns"] > 0, d_out  # D had the moved KV
+    # D continued from P's token (not: waited it out and sampled the token itself)
+    assert (d_out["prefill_token_ns"] > 0) is (nats_url is not None), d_out
     return p_out, d_out
 
 

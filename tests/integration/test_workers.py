@@ -85,6 +85,12 @@ def kv_landed(chunks: list[TokenChunk]) -> int:
     return timing.kv_landed if timing is not None else 0
 
 
+def prefill_token(chunks: list[TokenChunk]) -> int:
+    """When D took up P's first token (its last chunk's Timing); 0: D sampled it itself."""
+    timing = chunks[-1].timing
+    return timing.prefill_token if timing is not None else 0
+
+
 async def reference(
     obs: Observer, ids: list[int], max_tokens: int = MAX_TOKENS
 ) -> list[TokenChunk]:
@@ -108,6 +114,7 @@ async def test_decode_streams_what_one_engine_computes_after_the_kv_moved(
     chunks = await obs.generate(event)
     assert_well_formed(chunks, FinishReason.LENGTH, length)
     assert kv_landed(chunks) > 0, chunks[-1]  # a silent recompute on D fails here
+    assert (prefill_token(chunks) > 0) is (first_token_by == "prefill"), chunks[-1]
     expected = await reference(obs, ids)
     assert tokens_of(chunks) == tokens_of(expected)
     assert text_of(chunks) == text_of(expected) != ""
@@ -138,7 +145,7 @@ async def test_an_answer_that_ends_with_the_prefill_s_first_token(
     max_tokens, extra = limits[ends]
     chunks = await obs.generate(obs.event(P, D, ids, "push", max_tokens, **extra))
     expected = await obs.generate(obs.event(P, REF, ids, "local", max_tokens, **extra))
-    assert kv_landed(chunks) > 0, chunks[-1]
+    assert kv_landed(chunks) > 0 and prefill_token(chunks) > 0, chunks[-1]
     assert tokens_of(chunks) == tokens_of(expected) == [first]
     assert text_of(chunks) == text_of(expected)
     assert chunks[-1].finish_reason is expected[-1].finish_reason

@@ -26,6 +26,7 @@ from kvpush.connector.vllm.decode_side import DecodeSide
 from kvpush.connector.vllm.runtime import WorkerRuntime
 from kvpush.connector.vllm.side import Rank
 from kvpush.schemas.messages import (
+    Abort,
     FailReason,
     FinishReason,
     FirstToken,
@@ -34,7 +35,7 @@ from kvpush.schemas.messages import (
     TransferMode,
     WorkerRole,
 )
-from kvpush.services.gateway.routing import first_token_by
+from kvpush.services.gateway.routing import Route, first_token_by
 from kvpush.services.workers.first_token import first_token_of, prefill_sampling
 from kvpush.services.workers.handles import EngineOutput
 from tests.unit.test_connector_sides import BLOCK, TID, Recorder
@@ -45,21 +46,23 @@ P, D = WorkerRole.PREFILL, WorkerRole.DECODE
 
 # ---- who samples it ------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("choice", "mode", "spec", "expected"),
+    ("choice", "mode", "sends", "spec", "expected"),
     [
-        (P, PUSH, SamplingSpec(temperature=0.0), P),
-        (P, PULL, SamplingSpec(temperature=0.7), P),  # unseeded: P's draw is as good as D's
-        (P, PUSH, SamplingSpec(temperature=0.0, seed=3), P),  # greedy: the seed draws nothing
-        (P, PUSH, SamplingSpec(temperature=0.7, seed=3), D),  # D's draws would shift by one
-        (P, PUSH, SamplingSpec(temperature=0.0, logprobs=2), D),  # not carried on the bus yet
-        (P, LOCAL, SamplingSpec(temperature=0.0), D),  # nothing moves: D does it all
-        (D, PUSH, SamplingSpec(temperature=0.0), D),  # the deployment said so
+        (P, PUSH, True, SamplingSpec(temperature=0.0), P),
+        (P, PULL, True, SamplingSpec(temperature=0.7), P),  # unseeded: P's draw is as good
+        (P, PUSH, True, SamplingSpec(temperature=0.0, seed=3), P),  # greedy: no draw
+        (P, PUSH, True, SamplingSpec(temperature=0.7, seed=3), D),  # D's draws would shift
+        (P, PUSH, True, SamplingSpec(temperature=0.0, logprobs=2), D),  # not on the bus yet
+        (P, PUSH, False, SamplingSpec(temperature=0.0), D),  # an older P sends none
+        (P, LOCAL, True, SamplingSpec(temperature=0.0), D),  # nothing moves: D does it all
+        (D, PUSH, True, SamplingSpec(temperature=0.0), D),  # the deployment said so
     ],
 )
 def test_the_gateway_lets_prefill_sample_the_first_token_where_one_engine_would_agree(
-    choice: WorkerRole, mode: TransferMode, spec: SamplingSpec, expected: WorkerRole
+    choice: WorkerRole, mode: TransferMode, sends: bool, spec: SamplingSpec, expected: WorkerRole
 ) -> None:
-    assert first_token_by(choice, mode, spec) is expected
+    route = Route("p0", "d0", mode, 1, 1 if mode is not LOCAL else None, sends and mode != LOCAL)
+    assert first_token_by(choice, route, spec) is expected
 
 
 def test_prefill_samples_one_token_with_the_request_s_own_sampling() -> None:
@@ -145,6 +148,28 @@ def test_a_failed_receive_never_waits_and_carries_no_token() -> None:
     assert side.take_first_tokens() == {}
 
 
+def test_a_request_ended_while_waiting_for_the_token_gives_its_blocks_back_without_it() -> None:
+    side, _, _ = decode()
+    side.on_work(asking())
+    assert side.collect([DONE]) == (set(), {})  # landed, waiting for P's token
+    params = TransferParams(TID, "p0", "d0", PUSH, first_token_from_prefill=True)
+    side.on_work([DecodeWork(ReceiveKind.ABORT, "r0", params)])  # the client left
+    assert side.collect([]) == ({"r0"}, {})  # reported: vLLM frees the blocks
+    assert side.take_first_tokens() == {} and not side._by_tid
+
+
+def test_late_word_from_prefill_on_a_landed_receive_changes_nothing() -> None:
+    side, rec, _ = decode()
+    side.on_work(asking())
+    side.collect([DONE])
+    refusal = KvFailed(transfer_id=TID, prefill_id="p0", decode_id="d0", reason=FailReason.POST)
+    side.on_bus("", refusal)  # e.g. a KvFailed that crossed the notice
+    assert not rec.messages(Abort)  # no abort sent for KV that already landed
+    side.on_pushed("", token())
+    assert side.collect([]) == ({"r0"}, {})
+    assert side.take_first_tokens() == {"r0": PrefillToken(42)}
+
+
 def test_a_late_token_of_a_prompt_decode_computes_itself_is_dropped() -> None:
     side, _, _ = decode()
     params = TransferParams(TID, "p0", "d0", PUSH, first_token_from_prefill=True)
@@ -200,5 +225,91 @@ print("ok")
 def test_continue_from_makes_the_token_the_last_prompt_token_of_a_real_request() -> None:
     done = subprocess.run(
         [sys.executable, "-c", CONTINUE_FROM], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# ---- the scheduler half's bookkeeping (in a child process, like the Request above) ----------
+SCHEDULER_HALF = f"""
+from types import SimpleNamespace as NS
+from vllm import SamplingParams
+from kvpush.connector.params import ConnectorSettings, PrefillToken, TransferParams
+from kvpush.connector.vllm import compat
+from kvpush.connector.vllm.metadata import KVPushWorkerMeta
+from kvpush.connector.vllm.scheduler import SchedulerHalf
+from kvpush.schemas.messages import WorkerRole
+
+B, continued = {BLOCK}, []
+compat.continue_from = lambda req, token_id: continued.append((req.request_id, token_id))
+
+def half(free=10, driver=True):
+    settings = ConnectorSettings(worker_id="d0", role=WorkerRole.DECODE)
+    h = SchedulerHalf(settings, B, f"t-{{len(continued)}}-{{free}}-{{driver}}", 1000)
+    h.driver_takes_tokens, h.free_blocks = driver, (lambda: free)
+    return h
+
+def request(rid, n=B + 1, **sampling):
+    params = TransferParams(f"tx-{{rid}}xxxx", "p0", "d0", first_token_from_prefill=True)
+    sp = SamplingParams(max_tokens=8, **sampling)
+    return NS(request_id=rid, kv_transfer_params=params.to_params(), num_prompt_tokens=n,
+              num_tokens=n, max_tokens=8, sampling_params=sp, status=NS(name="RUNNING"))
+
+def alloc(h, req):
+    blocks = NS(get_block_ids=lambda: (list(range(9)),))
+    h.update_state_after_alloc(req, blocks, req.num_prompt_tokens)
+    return h._meta.decode[-1].params.first_token_from_prefill
+
+def step(h, tokens, finished):
+    out = NS(kv_connector_worker_meta=KVPushWorkerMeta({{}}, tokens),
+             finished_recving=set(finished), finished_sending=set())
+    h.update_connector_output(out)
+    return h.take_prefill_tokens()
+
+# a rank's token a step before the receive ends (TP) is kept for it
+h = half()
+assert alloc(h, request("a"))
+assert step(h, {{"a": PrefillToken(5), "x": PrefillToken(6)}}, []) == []
+assert "x" not in h._prefill_tokens  # a request that did not ask: dropped
+assert step(h, {{}}, ["a"]) == [("a", PrefillToken(5))] and continued == [("a", 5)]
+assert h._marks.take("tx-axxxx").prefill_token > 0  # D continued from P's token
+# a request that ends while waiting forgets its token
+assert alloc(h, request("b"))
+ended = NS(request_id="b", kv_transfer_params=None, status=NS(name="FINISHED_ABORTED"))
+h.request_finished(ended, [])
+assert step(h, {{"b": PrefillToken(7)}}, ["b"]) == [] and "b" not in h._requests_awaiting_token
+# without a driver, with log-probabilities or seeded sampling, D samples the token itself
+assert not alloc(half(driver=False), request("c"))
+assert not alloc(h, request("d", logprobs=2))
+assert not alloc(h, request("e", temperature=0.7, seed=3))
+assert alloc(h, request("f", temperature=0.7))  # unseeded: P's draw is as good as D's
+# a token whose KV opens a block continues only while a free block is left for it
+h0 = half(free=1)
+for rid in ("g", "i"):
+    assert alloc(h0, request(rid, n=2 * B))
+got = step(h0, {{"g": PrefillToken(1), "i": PrefillToken(2)}}, ["g", "i"])
+assert got in ([("g", PrefillToken(1))], [("i", PrefillToken(2))]), got  # the one free block
+# an aborted request's marks stay for the driver (its output is already out)
+h._marks.record("tx-jxxxx", kv_landed=1)
+aborted = NS(request_id="j", kv_transfer_params=request("j").kv_transfer_params,
+             status=NS(name="FINISHED_ABORTED"))
+assert h.request_finished(aborted, []) == (False, None)
+assert h.take_timing("tx-jxxxx").kv_landed == 1
+# every rank's tokens merge
+merged = KVPushWorkerMeta({{}}, {{"a": PrefillToken(1)}}).aggregate(
+    KVPushWorkerMeta({{}}, {{"b": PrefillToken(2)}}))
+assert merged.first_tokens == {{"a": PrefillToken(1), "b": PrefillToken(2)}}
+for x in (h, h0):
+    x.shutdown()
+print("ok")
+"""
+
+
+def test_the_scheduler_half_keeps_continues_and_forgets_prefill_tokens() -> None:
+    """A token from one rank waits for the receive's end; tokens nobody asked for, and those of
+    requests that ended, are dropped; no driver, log-probabilities or seeded sampling: D
+    samples the token itself; a token whose KV needs a new block continues only while one is
+    free; an aborted request's marks stay for the driver; the ranks' tokens merge."""
+    done = subprocess.run(
+        [sys.executable, "-c", SCHEDULER_HALF], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

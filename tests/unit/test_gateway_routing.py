@@ -114,6 +114,10 @@ def test_modes_local_threshold_and_request_override(registry: WorkerRegistry) ->
     assert router.route(1000, TransferMode.LOCAL).mode is TransferMode.LOCAL
     pull = Router(registry, TransferMode.PULL, local_threshold=0)
     assert pull.route(1).mode is TransferMode.PULL
+    assert not push.prefill_sends_first_token  # an older P's heartbeat: D samples it
+    registry.observe(beat(P, "p0", sends_first_token=True))
+    assert router.route(256).prefill_sends_first_token
+    assert not router.route(255).prefill_sends_first_token  # LOCAL: no P takes part
     with pytest.raises(ValueError):
         Router(registry, TransferMode.LOCAL, 0)
 

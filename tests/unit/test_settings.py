@@ -162,7 +162,7 @@ def test_the_layer_gate_does_nothing_once_closed() -> None:
 def test_an_engine_on_cuda_reads_gpu_memory_over_cuda_ipc_unless_told_otherwise() -> None:
     """Pull mode's NIXL READ of GPU memory takes UCX's cuda_ipc lane only with GET zero-copy
     on (else TCP); a value the operator set stays."""
-    from kvpush.services.workers.engine import EngineConfig, engine_env
+    from kvpush.services.workers.engine_config import EngineConfig, engine_env
 
     cuda = EngineConfig(model_dir="m", device="cuda", gpu=1)
     env = engine_env(cuda, {})
