@@ -26,6 +26,7 @@ from kvpush.connector.params import (
     PrefillToken,
     TransferParams,
     read_params,
+    samples_on_prefill,
     timing_of,
 )
 from kvpush.connector.peering import CompatInfo, compat_hash
@@ -94,6 +95,7 @@ __all__ = [
     "pool_layout",
     "read_params",
     "runs_to_ids",
+    "samples_on_prefill",
     "shutdown_tracing",
     "timing_of",
     "tracing_on",

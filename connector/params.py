@@ -122,6 +122,15 @@ class PrefillToken(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
 
 
+def samples_on_prefill(sampling: Any) -> bool:
+    """Does a first token sampled by P give the answer one engine gives, for ``sampling`` (a
+    ``SamplingSpec`` or vLLM's ``SamplingParams``: the same field names)? Not with
+    log-probabilities asked for (P's token carries none), nor with seeded random sampling (D's
+    generator, seeded afresh, would draw the second token as one engine draws the first)."""
+    seeded = sampling.temperature > 0 and sampling.seed is not None
+    return sampling.logprobs is None and not seeded
+
+
 def first_token_end(
     token: PrefillToken, max_tokens: int, num_tokens: int, max_model_len: int
 ) -> PrefillToken:

@@ -56,6 +56,7 @@ from kvpush.connector.params import (
     TransferParams,
     first_token_end,
     read_params,
+    samples_on_prefill,
 )
 from kvpush.connector.tracing import emit_span, now_ns
 from kvpush.connector.vllm import compat
@@ -100,7 +101,7 @@ class SchedulerHalf:
         self._tokens_to_report: list[tuple[str, PrefillToken]] = []
         self.driver_takes_tokens = False  # set by the driver that reports them (EngineLink)
         self.free_blocks: Callable[[], int] | None = None  # the driver's view of the pool
-        self._block_budget = 0  # free blocks the requests continued in this step may take
+        self._block_budget: int | None = None  # free blocks this step's continuations may take
         self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
         # driver then sleeps until the worker half's activity signal instead of stepping again)
 
@@ -162,23 +163,20 @@ class SchedulerHalf:
 
     def _can_continue(self, request: Any) -> bool:
         """May this request continue from P's first token? Only with a driver that reports
-        the token, and only where P's token gives one engine's answer: no log-probabilities
-        asked for (P's carry none) and no seeded random sampling (D's generator would draw
-        late). The gateway asks for it only then; this holds for any other publisher."""
-        sampling = request.sampling_params
-        seeded = sampling.temperature > 0 and sampling.seed is not None
-        return self.driver_takes_tokens and sampling.logprobs is None and not seeded
+        the token, and only where P's token gives one engine's answer (the gateway's rule,
+        checked again for any other publisher)."""
+        return self.driver_takes_tokens and samples_on_prefill(request.sampling_params)
 
     def receive_finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            self._receiving.pop(req_id, None)
+            params = self._receiving.pop(req_id, None)
             self._aborting.discard(req_id)
             request = self._requests_awaiting_token.pop(req_id, None)
             token = self._prefill_tokens.pop(req_id, None)
-            if request is not None and token is not None:
-                self._continue(req_id, request, token)
+            if params is not None and request is not None and token is not None:
+                self._continue(req_id, request, token, params.transfer_id)
 
-    def _continue(self, req_id: str, request: Any, token: PrefillToken) -> None:
+    def _continue(self, req_id: str, request: Any, token: PrefillToken, tid: str) -> None:
         """P's first token for a request whose KV is in: the answer ends with it, or the
         request continues from it (its last prompt token now: ``compat.continue_from``).
         Either way the driver reports it as the request's first output
@@ -188,13 +186,14 @@ class SchedulerHalf:
             # the token's KV opens a block: vLLM admits the request only with one free, and
             # with the pool full and nothing running nothing would free one (recomputing the
             # last prompt token needs no new block): D samples the token itself then
+            if self._block_budget is None:  # read once a step, when a block is wanted
+                self._block_budget = self.free_blocks() if self.free_blocks is not None else 0
             if self._block_budget <= 0:
                 return
             self._block_budget -= 1
         if end.finish_reason is None:
             compat.continue_from(request, token.token_id)
-        if (params := read_params(request.kv_transfer_params)) is not None:
-            self._marks.record(params.transfer_id, prefill_token=now_ns())
+        self._marks.record(tid, prefill_token=now_ns())
         self._tokens_to_report.append((req_id, end))
 
     def take_prefill_tokens(self) -> list[tuple[str, PrefillToken]]:
@@ -305,7 +304,7 @@ class SchedulerHalf:
             for req_id, token in worker_meta.first_tokens.items():
                 if req_id in self._requests_awaiting_token:  # with TP: maybe a step early
                     self._prefill_tokens[req_id] = token
-        self._block_budget = self.free_blocks() if self.free_blocks is not None else 0
+        self._block_budget = None
         self.receive_finished(set(output.finished_recving or ()))
         self.push_finished(set(output.finished_sending or ()))
 

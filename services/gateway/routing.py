@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvpush.connector import samples_on_prefill
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import SamplingSpec, TransferMode, WorkerHeartbeat, WorkerRole
 
@@ -236,14 +237,6 @@ class Router:
     def still_serving(self, route: Route) -> bool:
         """False once the decode worker of ``route`` died or restarted (its work is lost)."""
         return self.registry.epoch(WorkerRole.DECODE, route.decode_id) == route.decode_epoch
-
-
-def samples_on_prefill(sampling: SamplingSpec) -> bool:
-    """Does a first token sampled by P give the answer one engine gives? Not with
-    log-probabilities asked for (a TokenChunk carries none yet), nor with seeded random
-    sampling (D's generator, seeded afresh, would draw the second token as one engine draws
-    the first)."""
-    return sampling.logprobs is None and (sampling.temperature == 0.0 or sampling.seed is None)
 
 
 def first_token_by(choice: WorkerRole, route: Route, sampling: SamplingSpec) -> WorkerRole:
