@@ -158,8 +158,12 @@ class Stack:
             for flag, value in (("--load-format", cfg.load_format), ("--dtype", cfg.dtype)):
                 if value:
                     argv += [flag, value]
-            if cfg.max_inflight:
-                argv += ["--max-inflight", str(cfg.max_inflight)]
+            for flag, limit in (
+                ("--max-inflight", cfg.max_inflight),
+                ("--max-num-seqs", cfg.max_num_seqs),
+            ):
+                if limit:
+                    argv += [flag, str(limit)]
             log_path = Path(cfg.log_dir) / f"{name}.log"
             self.workers.append(Child(name, argv, log_path, mine, gpu))
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()

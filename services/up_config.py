@@ -39,6 +39,7 @@ class UpConfig:
     mode: TransferMode = TransferMode.PUSH
     first_token: WorkerRole = WorkerRole.PREFILL
     max_inflight: int | None = None
+    max_num_seqs: int | None = None
     local_threshold: int | None = None
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
@@ -180,8 +181,14 @@ SETTINGS: tuple[Setting, ...] = (
         "max_inflight",
         ("--max-inflight",),
         int,
-        "requests at once per worker (default: the workers' default)",
+        "requests each worker accepts at once, batched or queued (default: the workers' 1024)",
         "KVPUSH_WORKER_MAX_INFLIGHT",
+    ),
+    Setting(
+        "max_num_seqs",
+        ("--max-num-seqs",),
+        int,
+        "requests each engine batches in one step (default: the workers' 64)",
     ),
     GATEWAY["local_threshold"],
     Setting(

@@ -89,10 +89,37 @@ SETTINGS: tuple[Setting, ...] = (
         "max_inflight",
         ("--max-inflight",),
         int,
-        "requests in flight before 429 (default 256)",
+        "generation requests served at once; more wait in the queue (default 256)",
         "KVPUSH_GATEWAY_MAX_INFLIGHT",
     ),
-    Setting("request_timeout_s", ("--request-timeout-s",), float, "seconds per request (300)"),
+    Setting(
+        "max_queued",
+        ("--max-queued",),
+        int,
+        "requests waiting for one of --max-inflight's slots, first come first served; past it:"
+        " 429 with Retry-After (default 4096; 0: refuse at once)",
+        "KVPUSH_GATEWAY_MAX_QUEUED",
+    ),
+    Setting(
+        "queue_timeout_s",
+        ("--queue-timeout-s",),
+        float,
+        "a queued request gets 503 with Retry-After after waiting this long (default 600)",
+    ),
+    Setting(
+        "request_timeout_s",
+        ("--request-timeout-s",),
+        float,
+        "seconds from a request's start to its first token (the KV transfer's deadline too);"
+        " past it: 504 (default 300)",
+    ),
+    Setting(
+        "stream_idle_timeout_s",
+        ("--stream-idle-timeout-s",),
+        float,
+        "after the first token, the longest wait for the next one; past it: 504 (default 300;"
+        " an answer has no total deadline)",
+    ),
     Setting(
         "api_keys",
         ("--api-key",),
@@ -143,8 +170,11 @@ class GatewayConfig:
     mode: TransferMode = TransferMode.PUSH  # deployment default: push or pull
     local_threshold: int = 256  # prompts shorter than this (tokens) go LOCAL; 0 disables
     first_token: WorkerRole = WorkerRole.PREFILL  # who samples it in push and pull
-    max_inflight: int = 256
-    request_timeout_s: float = 300.0
+    max_inflight: int = 256  # generation requests served at once
+    max_queued: int = 4096  # ... and waiting for a slot (past it: 429)
+    queue_timeout_s: float = 600.0  # the longest wait for a slot (then 503)
+    request_timeout_s: float = 300.0  # start -> first token
+    stream_idle_timeout_s: float = 300.0  # first token on: the longest gap between tokens
     api_keys: tuple[str, ...] = ()
     worker_lease_s: float = 3.0  # a worker is alive while heartbeats arrive within this
     max_body_bytes: int = 8 * 1024 * 1024
@@ -157,9 +187,12 @@ class GatewayConfig:
         if self.mode not in (TransferMode.PUSH, TransferMode.PULL):
             raise ConfigError("--mode must be push or pull")
         positive = ("max_inflight", "request_timeout_s", "worker_lease_s", "max_body_bytes")
-        for name in (*positive, "stream_buffer_chunks"):
+        timeouts = ("queue_timeout_s", "stream_idle_timeout_s")
+        for name in (*positive, *timeouts, "stream_buffer_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.max_queued < 0:
+            raise ConfigError("max_queued must be >= 0")
         if self.local_threshold < 0 or not 0 <= self.port <= 65535:
             raise ConfigError("local_threshold must be >= 0 and port within 0..65535")
 

@@ -1,14 +1,16 @@
 """One generation request's flow, from body bytes to the last byte sent (``RequestFlow``).
 
 Check capacity (429, in ``GatewayApi``) -> read and parse the body (400/413) -> model (404) ->
-tokenize on the tokenizer thread -> context check (400) -> route (503) -> open a token stream
--> publish ONE RequestEvent on ``req.<P>.<D>`` inside the ``gateway.request`` span (both
-workers see its trace context) -> answer from the stream: JSON, or SSE opened at the first
-chunk, so errors before it still get a proper status (502 worker error, 504 deadline); errors
-after it become an ``{"error": ...}`` event then ``[DONE]``. Whenever a request ends before
-its final chunk (client gone, deadline, decode worker lost or restarted, buffer overflow,
-gateway stopping) it publishes ``Abort(transfer_id, sender=gateway_id)`` to P (when P takes
-part) and to D; after a worker error, to P only.
+tokenize on the tokenizer thread -> context check (400) -> route (503) -> open a token stream ->
+publish ONE RequestEvent on ``req.<P>.<D>`` inside the ``gateway.request`` span (both workers
+see its trace context) -> answer from the stream: JSON, or SSE opened at the first chunk, so
+errors before it still get a proper status (502 worker error, 504 deadline); errors after it
+become an ``{"error": ...}`` event then ``[DONE]``. Deadlines: ``request_timeout_s`` from the
+start to the first chunk (the RequestEvent's ``deadline_ms``: the KV transfer's too), then
+``stream_idle_timeout_s`` between chunks; an answer has no total deadline. Whenever a request
+ends before its final chunk (client gone, deadline, decode worker lost or restarted, buffer
+overflow, gateway stopping) it publishes ``Abort(transfer_id, sender=gateway_id)`` to P (when P
+takes part) and to D; after a worker error, to P only.
 
 Threading model: runs in a request handler on the gateway's loop. aiohttp cancels a handler
 whose client disconnected (``handler_cancellation=True``); the ``finally`` of ``run`` then
@@ -222,11 +224,13 @@ class RequestFlow:
             remaining = self.deadline - self.loop.time()
             if remaining <= 0:
                 self.abort_reason = "deadline"
+                config = self.gw.config
+                if self.completion_tokens:
+                    why = f"no token for {config.stream_idle_timeout_s:g} s"
+                else:
+                    why = f"no first token after {config.request_timeout_s:g} s"
                 raise api.ApiError(
-                    504,
-                    f"request timed out after {self.gw.config.request_timeout_s:g} s",
-                    type_="timeout",
-                    code="timeout",
+                    504, f"request timed out: {why}", type_="timeout", code="timeout"
                 )
             try:
                 chunk = await self.stream.next(min(remaining, LIVENESS_POLL_S))
@@ -241,6 +245,8 @@ class RequestFlow:
                 raise api.ApiError(503, str(exc), type_="service_unavailable") from None
             if not self.parsed.stream:
                 self._first_byte()
+            # no total deadline: from the first token on, only the gap between tokens counts
+            self.deadline = self.loop.time() + self.gw.config.stream_idle_timeout_s
             self.completion_tokens += len(chunk.token_ids)
             if chunk.finish_reason is not None:
                 self.last_chunk_ns = time.time_ns()

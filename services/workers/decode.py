@@ -5,9 +5,11 @@ it submits the prompt with the event's SamplingSpec and transfer parameters (non
 local: the engine computes the prompt itself). The connector inside the engine allocates the
 prompt's blocks, announces them to the prefill worker and waits (at no cost) for the KV. Each
 engine output becomes a TokenChunk on the event's reply subject (``seq`` 0, 1, ...; the last one
-carries ``finish_reason`` and ``usage``; with ``stream=false`` only that one is sent, with
-every token). A request it cannot take is answered with one error chunk at once: ``overloaded``
-(over ``--max-inflight``), ``deadline``, or the model mismatch.
+carries ``finish_reason`` and ``usage``), whatever the client's ``stream``: the gateway joins
+them for a whole answer and counts its idle timeout from each. The event's deadline (the
+worker's abort backstop) ends at the first output: an answer has no total deadline. A request it
+cannot take is answered with one error chunk at once: ``overloaded`` (over ``--max-inflight``),
+``deadline``, or the model mismatch.
 
 It also owns the prefill workers' side-channel addresses, learned from their heartbeats
 (``kvpush.v1.heartbeat.prefill.*``) and, at start, from the worker registry: each request
@@ -154,21 +156,19 @@ class DecodeWorker(Worker):
             ", ".join(addresses or []),
         )
         seq = count = 0
-        held_ids: list[int] = []  # stream=false: everything goes in the last chunk
-        held_text: list[str] = []
         async for out in handle:
             count += len(out.token_ids)
+            if entry.timer is not None:  # it runs: no total deadline from here on
+                entry.timer.cancel()
+                entry.timer = None
             if not out.finished:
-                if not event.stream:
-                    held_ids += out.token_ids
-                    held_text.append(out.text)
-                elif out.token_ids or out.text:
+                if out.token_ids or out.text:
                     await self._send(event, seq, out.token_ids, out.text)
                     seq += 1
                 continue
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
-            ids, text = held_ids + out.token_ids, "".join(held_text) + out.text
+            ids, text = out.token_ids, out.text
             late = self.host.link.take_timing(tid)  # came up in the request's last step
             marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
             await self._send(event, seq, ids, text, reason, count, error, marks)

@@ -204,7 +204,7 @@ async def test_bad_requests_get_their_status_and_an_openai_error_body(up_stack: 
 async def test_over_the_inflight_limit_is_429(
     up_stack: UpStack, start_gateway: GatewayFactory
 ) -> None:
-    gateway = await start_gateway(max_inflight=1)
+    gateway = await start_gateway(max_inflight=1, max_queued=0)
     client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     busy = await client.completions.create(
         prompt="busy", stream=True, **greedy("push", 3000, ignore_eos=True)

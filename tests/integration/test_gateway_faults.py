@@ -77,7 +77,7 @@ async def test_api_keys_guard_v1_but_not_health(stack: StackFactory) -> None:
 async def test_inflight_bound_is_429_and_deadline_is_504_with_aborts_to_p_and_d(
     stack: StackFactory,
 ) -> None:
-    s = await stack(reply=None, max_inflight=1, request_timeout_s=1.0, local_threshold=0)
+    s = await stack(reply=None, max_inflight=1, max_queued=0, request_timeout_s=1.0, local_threshold=0)
     first = asyncio.create_task(s.post("/v1/completions", {"prompt": "x"}))
     await wait_until(lambda: len(s.decode.events) == 1)
     status, answer = await s.post("/v1/completions", {"prompt": "y"})
@@ -209,3 +209,44 @@ async def test_sigterm_drains_in_flight_requests_then_serve_returns_0(
         assert resp.status == 200
         assert (await resp.json())["choices"][0]["text"].endswith(" w19")
     assert await asyncio.wait_for(served, 10) == 0
+
+
+async def _status_and_retry_after(s: Stack, body: dict[str, Any]) -> tuple[int, str | None, Any]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{s.gateway.url}/v1/completions", json=body) as resp,
+    ):
+        return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+
+async def test_past_max_inflight_requests_queue_then_429_or_503_with_retry_after(
+    stack: StackFactory,
+) -> None:
+    s = await stack(
+        reply=None, max_inflight=1, max_queued=1, request_timeout_s=1.0, local_threshold=0
+    )
+    first = asyncio.create_task(_status_and_retry_after(s, {"prompt": "a"}))
+    await wait_until(lambda: len(s.decode.events) == 1)
+    queued = asyncio.create_task(_status_and_retry_after(s, {"prompt": "b"}))
+    await wait_until(lambda: s.gateway.api.admission.waiting == 1)
+    status, retry_after, answer = await _status_and_retry_after(s, {"prompt": "c"})
+    assert status == 429 and retry_after == "1", answer  # past both bounds: at once
+    assert answer["error"]["code"] == "rate_limit_exceeded"
+    assert (await first)[0] == 504  # nobody answers (reply=None): its deadline
+    await wait_until(lambda: len(s.decode.events) == 2)  # the queued one, once the slot freed
+    assert (await queued)[0] == 504
+    short = await stack(
+        share=s,
+        reply=None,
+        max_inflight=1,
+        queue_timeout_s=0.3,
+        request_timeout_s=2.0,
+        local_threshold=0,
+    )
+    first = asyncio.create_task(_status_and_retry_after(short, {"prompt": "a"}))
+    await wait_until(lambda: len(s.decode.events) == 3)
+    status, retry_after, answer = await _status_and_retry_after(short, {"prompt": "b"})
+    assert status == 503 and retry_after == "1" and answer["error"]["code"] == "queue_timeout"
+    assert len(s.decode.events) == 3  # never published
+    assert (await first)[0] == 504
+    assert s.gateway.in_flight == 0 and short.gateway.in_flight == 0

@@ -292,7 +292,7 @@ async def test_aborts_racing_the_last_write_never_corrupt_reused_blocks(
 async def test_a_burst_past_the_inflight_bound(stack: Stack, rng: random.Random) -> None:
     config = GatewayConfig(
         model=stack.gateway.config.model, nats_url=stack.nats.url, port=0, local_threshold=0,
-        max_inflight=2, shutdown_grace_s=1.0,
+        max_inflight=2, max_queued=0, shutdown_grace_s=1.0,
     )  # fmt: skip
     small = await Gateway.start(config)
     try:

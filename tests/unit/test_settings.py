@@ -96,7 +96,7 @@ def test_worker_flags_parse_into_the_config(tmp_path) -> None:
     args = parser.parse_args(["--cpus", "0-2", "--nats", "nats://h:1", "--model", str(tmp_path)])
     config = worker_config.config_from_args(WorkerRole.PREFILL, args, {"KVPUSH_HEARTBEAT_S": "2"})
     assert config.cpu_cores == [0, 1, 2] and config.nats_url == "nats://h:1"
-    assert config.heartbeat_s == 2.0 and config.max_inflight == 64
+    assert config.heartbeat_s == 2.0 and config.max_inflight == 1024 and config.max_num_seqs == 64
 
 
 def test_worker_and_up_configs_raise_config_errors_not_exits(tmp_path) -> None:

@@ -200,7 +200,7 @@ class KvpushSystem(System):
         argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
         argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
         argv += ["--first-token", self.first_token_by]
-        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-inflight", "256"]
+        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-num-seqs", "256"]
         argv += ["--device", ctx.device, "--load-format", ctx.load_format]
         if ctx.cuda:
             argv += ["--gpus", str(ctx.gpu)]

@@ -8,7 +8,7 @@
 - ``Aggregated`` ("aggregated"): one ``vllm serve`` without a connector on the prefill core.
 
 Every vLLM server runs with kvpush's engine settings (``workers/config.py`` ``engine_config``,
-``workers/engine.py`` ``EngineHost``, and ``KvpushSystem``'s ``--max-inflight 256``):
+``workers/engine.py`` ``EngineHost``, and ``KvpushSystem``'s ``--max-num-seqs 256``):
 
 ==========================  ============================================================
 dtype                       ``--dtype float32``
@@ -16,7 +16,7 @@ eager                       ``--enforce-eager``
 block size                  ``--block-size 128``
 context                     ``--max-model-len`` = the model's recipe ``max_context`` (4096)
 prefix caching              ``--enable-prefix-caching``
-sequences                   ``--max-num-seqs 256`` (kvpush: ``max_num_seqs = max_inflight``)
+sequences                   ``--max-num-seqs 256`` (kvpush: ``--max-num-seqs``)
 batched tokens              ``--max-num-batched-tokens 2048`` (what kvpush's engines get: it
                             sets none and builds them with `vllm serve`'s usage context,
                             whose CPU default is 2048 per rank)
