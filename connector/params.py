@@ -124,11 +124,28 @@ class PrefillToken(msgspec.Struct, frozen=True):
 
 def samples_on_prefill(sampling: Any) -> bool:
     """Does a first token sampled by P give the answer one engine gives, for ``sampling`` (a
-    ``SamplingSpec`` or vLLM's ``SamplingParams``: the same field names)? Not with
-    log-probabilities asked for (P's token carries none), nor with seeded random sampling (D's
-    generator, seeded afresh, would draw the second token as one engine draws the first)."""
-    seeded = sampling.temperature > 0 and sampling.seed is not None
-    return sampling.logprobs is None and not seeded
+    ``SamplingSpec`` or vLLM's ``SamplingParams``: the same field names; a field one of them
+    lacks reads as its default)? D continues from P's token as from a prompt token, so not
+    where sampling depends on what was sampled before: log-probabilities asked for (P's token
+    carries none; the prompt's need D's own prefill), ``n`` > 1 (D fans the answers out),
+    seeded random sampling (D's generator, seeded afresh, would draw the second token as one
+    engine draws the first), presence or frequency penalties, ``min_tokens`` and bad words
+    (they count the answer's tokens), a grammar or allowed tokens (the answer's state)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(sampling, name, default)
+
+    seeded = (get("temperature", 1.0) or 0.0) > 0 and get("seed") is not None
+    history = (
+        (get("presence_penalty", 0.0) or 0.0) != 0
+        or (get("frequency_penalty", 0.0) or 0.0) != 0
+        or (get("min_tokens", 0) or 0) > 0
+        or bool(get("bad_words"))
+        or get("structured_outputs") is not None
+        or get("allowed_token_ids") is not None
+    )
+    asks_logprobs = get("logprobs") is not None or get("prompt_logprobs") is not None
+    return (get("n", 1) or 1) == 1 and not asks_logprobs and not seeded and not history
 
 
 def first_token_end(

@@ -19,6 +19,13 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
+from kvpush.schemas.sampling import (
+    MAX_TOKEN_ID,
+    PositionLogprobs,
+    SamplingSpec,
+    SequenceOutput,
+)
+
 PROTOCOL_VERSION: Final = 1
 PROTOCOL_HISTORY: Final = {
     1: "initial contract: request, blocks, kv.ready/done/failed, tokens, abort, heartbeat;"
@@ -33,17 +40,18 @@ PROTOCOL_HISTORY: Final = {
     " sends it: D computes the token itself after ``first_token_wait_s``; an older decode"
     " worker ignores both and computes it as before); optional ``prefill_token`` on Timing and"
     " ``sends_first_token`` on WorkerHeartbeat (a gateway asks P for the first token only"
-    " where its heartbeat says it sends one)",
+    " where its heartbeat says it sends one); SamplingSpec's every SamplingParams field of"
+    " the OpenAI layer (n, penalties, min_p, logit_bias, logprobs, prompt_logprobs, bad_words,"
+    " structured_outputs, ...: absent means vLLM's default) and optional ``outputs``"
+    " (SequenceOutput per answer: logprobs, n > 1), ``prompt_logprobs`` and"
+    " ``num_cached_tokens`` on TokenChunk",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
 # ---- bounds --------------------------------------------------------------------------------
 MAX_PROMPT_TOKENS: Final = 131_072
-MAX_OUTPUT_TOKENS: Final = 131_072
-MAX_TOKEN_ID: Final = 2**31 - 1
 MAX_BLOCK_ID: Final = 2**31 - 1
 MAX_BLOCK_RUNS: Final = 65_536
-MAX_STOP_STRINGS: Final = 16
 MAX_LAYERS: Final = 1024
 MAX_TP: Final = 1024
 
@@ -127,23 +135,6 @@ def _tag(name: str) -> dict:
         "frozen": True,
         "forbid_unknown_fields": False,
     }
-
-
-class SamplingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Sampling parameters, already validated and defaulted by the gateway."""
-
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_OUTPUT_TOKENS)] = 16
-    min_tokens: Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)] = 0
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=1_000_000)] = -1
-    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
-    stop: Annotated[
-        list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=MAX_STOP_STRINGS)
-    ] = []
-    stop_token_ids: Annotated[list[TokenId], Meta(max_length=256)] = []
-    ignore_eos: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # top log-probabilities per token
 
 
 class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):
@@ -305,6 +296,14 @@ class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
     usage: Usage | None = None
     error: ShortText | None = None
     timing: Timing | None = None  # the last chunk only: what D knows of the critical path
+    # n > 1 or log-probabilities asked for: each answer's delta here (token_ids/text then
+    # stay empty); absent: token_ids/text/finish_reason are answer 0's
+    outputs: Annotated[list[SequenceOutput], Meta(max_length=128)] | None = None
+    # the first chunk only, when asked for: one entry per prompt token (the first: None)
+    prompt_logprobs: Annotated[list[PositionLogprobs | None], Meta(max_length=131_072)] | None = (
+        None
+    )
+    num_cached_tokens: Count | None = None  # the last chunk: prompt tokens D did not compute
 
 
 class Abort(msgspec.Struct, **_tag("Abort")):

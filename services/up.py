@@ -167,7 +167,7 @@ class Stack:
             log_path = Path(cfg.log_dir) / f"{name}.log"
             self.workers.append(Child(name, argv, log_path, mine, gpu))
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
-        options += ["--first-token", cfg.first_token.value]
+        options += ["--first-token", cfg.first_token.value, "--frontend", cfg.frontend]
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
         argv = [*cli, "gateway", *common, *options]

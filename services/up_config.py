@@ -40,6 +40,7 @@ class UpConfig:
     first_token: WorkerRole = WorkerRole.PREFILL
     max_inflight: int | None = None
     max_num_seqs: int | None = None
+    frontend: str = "kvpush"  # the gateway's: kvpush or vllm (vLLM's serving layer)
     local_threshold: int | None = None
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
@@ -176,7 +177,7 @@ SETTINGS: tuple[Setting, ...] = (
         "KVPUSH_DTYPE",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
-    *(GATEWAY[name] for name in ("host", "port", "mode", "first_token")),  # to the gateway
+    *(GATEWAY[name] for name in ("host", "port", "mode", "first_token", "frontend")),
     Setting(
         "max_inflight",
         ("--max-inflight",),

@@ -1,17 +1,18 @@
 """The gateway service: lifecycle (setup -> start -> cleanup) and the CLI entry points.
 
 Its configuration (``GatewayConfig``, flags, environment) is ``config``'s.
-``Gateway.start(config)`` loads the tokenizer (once; both engines then see the gateway's token
-ids), connects its own NATS connection, subscribes to
-``kvpush.v1.heartbeat.*.*`` (worker registry) and ``kvpush.v1.tokens.<gateway_id>`` (token
-streams), and serves the aiohttp app; ``.url`` is where. ``stop()`` drains: new requests get
-503 and ``/ready`` turns 503, in-flight requests get ``shutdown_grace_s`` to finish, the rest are
-failed and aborted, then HTTP, subscriptions and NATS close (pending publishes flushed).
-``serve(args)`` runs one gateway until SIGTERM/SIGINT and stops it gracefully; ``main(args)``
-wraps it for the CLI (exit 0 after a clean stop, 1 when NATS is unreachable, 2 on bad config).
+``Gateway.start(config)`` loads the tokenizer (with ``--frontend vllm`` also vLLM's serving
+layer, ``frontend``; both engines then see the gateway's token ids), connects its own NATS
+connection, subscribes to ``kvpush.v1.heartbeat.*.*`` (worker registry) and
+``kvpush.v1.tokens.<gateway_id>`` (token streams), and serves the aiohttp app; ``.url`` is
+where. ``stop()`` drains: new requests get 503 and ``/ready`` turns 503, in-flight requests get
+``shutdown_grace_s`` to finish, the rest are failed and aborted, then HTTP, subscriptions and
+NATS close (pending publishes flushed). ``serve(args)`` runs one gateway until SIGTERM/SIGINT
+and stops it gracefully; ``main(args)`` wraps it for the CLI (exit 0 after a clean stop, 1 when
+NATS is unreachable, 2 on bad config).
 
-Threading model: everything runs on one asyncio loop; the tokenizer is loaded on a worker
-thread at start and tokenization runs on one dedicated thread (see ``handlers``).
+Threading model: everything runs on one asyncio loop; the tokenizer and vLLM's serving layer are
+loaded on a worker thread at start (vLLM's renderer tokenizes on its own thread).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvpush.connector import Bus, BusConnectError, configure_tracing
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services.gateway.config import ConfigError, GatewayConfig
+from kvpush.services.gateway.frontend import build_frontend
 from kvpush.services.gateway.handlers import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.model import ModelInfo, load_model
@@ -64,9 +66,19 @@ class Gateway:
     async def start(cls, config: GatewayConfig, *, model: ModelInfo | None = None) -> Gateway:
         """setup -> start: load the model's tokenizer, connect, subscribe, listen."""
         model = model or await asyncio.to_thread(load_model, config)
+        frontend = None
+        if config.frontend == "vllm":
+            frontend = await asyncio.to_thread(
+                build_frontend, config, model.served_name, model.max_model_len
+            )
         bus = await Bus.connect(config.bus_config())
         gateway = cls(config, model, bus)
         try:
+            if frontend is not None:
+                from kvpush.services.gateway.engine_client import BusEngineClient
+
+                await frontend.init(BusEngineClient(frontend, gateway.api))
+                gateway.api.attach(frontend)
             await gateway._setup()
         except BaseException:
             await gateway.stop(grace_s=0)

@@ -149,6 +149,27 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds in-flight requests get on SIGTERM (30)",
     ),
     Setting(
+        "frontend",
+        ("--frontend",),
+        str,
+        "who parses and answers OpenAI requests: kvpush (default: its own parser, a subset of"
+        " vLLM's API) or vllm (vLLM's own serving layer: every field `vllm serve` takes, tools,"
+        " structured outputs, logprobs, n, /tokenize, /detokenize, /version)",
+        "KVPUSH_FRONTEND",
+        choices=("kvpush", "vllm"),
+    ),
+    Setting(
+        "vllm_args",
+        ("--vllm-arg",),
+        str,
+        "a `vllm serve` flag for vLLM's serving layer in the gateway, e.g."
+        " --vllm-arg=--enable-auto-tool-choice --vllm-arg=--tool-call-parser=hermes"
+        " (repeatable; env: comma list)",
+        "KVPUSH_VLLM_ARGS",
+        metavar="FLAG",
+        repeat=True,
+    ),
+    Setting(
         "trace_file",
         ("--trace-file",),
         str,
@@ -181,6 +202,8 @@ class GatewayConfig:
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails
     shutdown_grace_s: float = 30.0
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
+    frontend: str = "kvpush"  # or "vllm": vLLM's serving layer answers the OpenAI routes
+    vllm_args: tuple[str, ...] = ()  # `vllm serve` flags for the serving layer (frontend)
 
     def __post_init__(self) -> None:
         subjects.check_id(self.gateway_id)
@@ -204,8 +227,9 @@ class GatewayConfig:
         values = settings.read(SETTINGS, args, os.environ if environ is None else environ)
         if "model" not in values:
             raise ConfigError("--model DIR (or KVPUSH_MODEL) is required")
-        if "api_keys" in values:
-            values["api_keys"] = tuple(values["api_keys"])
+        for name in ("api_keys", "vllm_args"):
+            if name in values:
+                values[name] = tuple(values[name])
         try:
             return cls(**values)
         except ValueError as exc:  # includes subjects.SubjectError for a bad gateway id

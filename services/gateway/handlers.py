@@ -38,16 +38,20 @@ from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.flow import RequestFlow, json_response
 from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvpush.services.gateway.observe import Observer
+from kvpush.services.gateway.openai_routes import OpenAIRoutes
 from kvpush.services.gateway.routing import Route, Router
 from kvpush.services.gateway.streaming import TokenStreams
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.config import GatewayConfig
+    from kvpush.services.gateway.frontend import Frontend
     from kvpush.services.gateway.model import ModelInfo
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.gateway")
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+)
 
 
 class GatewayApi:
@@ -67,6 +71,7 @@ class GatewayApi:
         self.streams, self.metrics, self.spawn = streams, metrics, spawn
         self.admission = Admission(config.max_inflight, config.max_queued, config.queue_timeout_s)
         self.draining = False
+        self.routes: OpenAIRoutes | None = None  # --frontend vllm
         self.started = int(time.time())
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
         self.recent = RecentRequests()
@@ -77,13 +82,25 @@ class GatewayApi:
         """Generation requests being served or queued for a slot."""
         return self.admission.in_flight + self.admission.waiting
 
+    @property
+    def served_name(self) -> str:
+        """The model name the workers serve (vLLM's first served name)."""
+        return self.model.served_name
+
+    def attach(self, frontend: Frontend) -> None:
+        """Serve the OpenAI routes with vLLM's serving objects of ``frontend``."""
+        self.routes = OpenAIRoutes(frontend, self.admission, self.metrics)
+
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.list_models)
+        if self.routes is not None:  # --frontend vllm: vLLM's serving layer answers
+            self.routes.add_routes(app)
+        else:
+            app.router.add_post("/v1/completions", self.completions)
+            app.router.add_post("/v1/chat/completions", self.chat_completions)
+            app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)

@@ -28,13 +28,12 @@ from typing import Any, Final
 
 import msgspec
 
-from kvpush.schemas.messages import (
+from kvpush.schemas.messages import MAX_PROMPT_TOKENS, TransferMode
+from kvpush.schemas.sampling import (
     MAX_OUTPUT_TOKENS,
-    MAX_PROMPT_TOKENS,
     MAX_STOP_STRINGS,
     MAX_TOKEN_ID,
     SamplingSpec,
-    TransferMode,
 )
 
 INT64: Final = 2**63

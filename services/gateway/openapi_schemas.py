@@ -16,14 +16,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Final
 
-from kvpush.schemas.messages import (
-    MAX_OUTPUT_TOKENS,
-    MAX_PROMPT_TOKENS,
-    MAX_STOP_STRINGS,
-    MAX_TOKEN_ID,
-    FinishReason,
-    TransferMode,
-)
+from kvpush.schemas.messages import MAX_PROMPT_TOKENS, FinishReason, TransferMode
+from kvpush.schemas.sampling import MAX_OUTPUT_TOKENS, MAX_STOP_STRINGS, MAX_TOKEN_ID
 from kvpush.services.gateway import openai_api as api
 
 if TYPE_CHECKING:

@@ -5,11 +5,16 @@ it submits the prompt with the event's SamplingSpec and transfer parameters (non
 local: the engine computes the prompt itself). The connector inside the engine allocates the
 prompt's blocks, announces them to the prefill worker and waits (at no cost) for the KV. Each
 engine output becomes a TokenChunk on the event's reply subject (``seq`` 0, 1, ...; the last one
-carries ``finish_reason`` and ``usage``), whatever the client's ``stream``: the gateway joins
-them for a whole answer and counts its idle timeout from each. The event's deadline (the
-worker's abort backstop) ends at the first output: an answer has no total deadline. A request it
-cannot take is answered with one error chunk at once: ``overloaded`` (over ``--max-inflight``),
-``deadline``, or the model mismatch.
+carries ``finish_reason``, ``usage`` and ``num_cached_tokens``), whatever the client's
+``stream``: the gateway joins them for a whole answer and counts its idle timeout from each. A
+request for ``n`` > 1 answers or log-probabilities gets each answer's delta in the chunk's
+``outputs`` (one ``SequenceOutput``: the engine host's fan-out hands out one answer's delta at a
+time; the prompt's log-probabilities in the first chunk), any other the chunk's
+``token_ids``/``text`` as older gateways read them. The event's deadline (the worker's abort
+backstop) ends at the first output: an answer has no total deadline. A request it cannot take is
+answered with one error chunk at once: ``overloaded`` (over ``--max-inflight``), ``deadline``,
+the model mismatch, or the prompt's log-probabilities asked for in push or pull (they need this
+engine's own prefill: the gateway sends such a request in mode local).
 
 It also owns the prefill workers' side-channel addresses, learned from their heartbeats
 (``kvpush.v1.heartbeat.prefill.*``) and, at start, from the worker registry: each request
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import logging
 import time
+from typing import Any
 
 from kvpush.connector import BoundedDict, emit_span, monotonic_to_ns, timing_of, tracing_on
 from kvpush.schemas import subjects
@@ -44,13 +50,17 @@ from kvpush.schemas.messages import (
 )
 from kvpush.services.telemetry.breakdown import merge
 from kvpush.services.workers.config import WorkerConfig
-from kvpush.services.workers.handles import EngineOutput, RequestHandle
+from kvpush.services.workers.handles import EngineOutput, RequestHandle, sequence_output
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)
 
 MAX_PREFILL_PEERS = 4096
 MAX_ERROR = 1000  # TokenChunk.error is at most 1024 characters
+PROMPT_LOGPROBS_NEED_LOCAL = (
+    "prompt_logprobs need the decode engine's own prefill: send the request in mode local,"
+    " not push or pull"
+)
 
 
 def _finish_reason(value: str) -> FinishReason:
@@ -74,6 +84,23 @@ def _trace(entry: InFlight, handle: RequestHandle, learned: Timing | None) -> Ti
         start = marks.kv_landed if marks.kv_landed >= submitted_ns else submitted_ns
         emit_span("decode.first_token", None, start, first_ns, attrs)
     return marks
+
+
+def wants_outputs(event: RequestEvent) -> bool:
+    """Does the event's answer go in ``TokenChunk.outputs`` (several answers, or
+    log-probabilities), not in the chunk's ``token_ids``/``text``?"""
+    sampling = event.sampling
+    asks = sampling.logprobs is not None or sampling.prompt_logprobs is not None
+    return sampling.n > 1 or asks
+
+
+def chunk_fields(out: EngineOutput, outputs: bool) -> dict[str, Any]:
+    """The TokenChunk fields of an engine output's delta: ``outputs`` (when ``outputs``: none
+    for a request's end that is no answer's, an abort), else ``token_ids``/``text``."""
+    if not outputs:
+        return {"token_ids": out.token_ids, "text": out.text}
+    delta = out.token_ids or out.text or out.sequence_finish_reason is not None
+    return {"outputs": [sequence_output(out)] if delta else []}
 
 
 def _abort_error(entry: InFlight) -> str:
@@ -140,11 +167,14 @@ class DecodeWorker(Worker):
         event = entry.event
         rid, tid = event.request_id, event.transfer_id
         local = event.mode is TransferMode.LOCAL
+        if not local and event.sampling.prompt_logprobs is not None:
+            await self.refuse(event, FailReason.PREFILL, PROMPT_LOGPROBS_NEED_LOCAL)
+            return
         addresses = self.prefill_addresses.get(event.prefill_id)
         params = None if local else self.kv_params(entry, addresses)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:
-            await self._send(event, 0, [], "", FinishReason.ABORT, 0, _abort_error(entry))
+            await self._send(event, 0, {}, FinishReason.ABORT, 0, _abort_error(entry))
             return
         log.info(
             "decode rid=%s tid=%s: %d prompt tokens, mode %s, prefill %s (%s)",
@@ -155,30 +185,36 @@ class DecodeWorker(Worker):
             event.prefill_id,
             ", ".join(addresses or []),
         )
+        outputs = wants_outputs(event)
         seq = count = 0
         async for out in handle:
             count += len(out.token_ids)
             if entry.timer is not None:  # it runs: no total deadline from here on
                 entry.timer.cancel()
                 entry.timer = None
+            fields = chunk_fields(out, outputs)
+            if out.prompt_logprobs is not None:  # answer 0's first output: the first chunk
+                fields["prompt_logprobs"] = out.prompt_logprobs
             if not out.finished:
-                if out.token_ids or out.text:
-                    await self._send(event, seq, out.token_ids, out.text)
+                if any(fields.values()):
+                    await self._send(event, seq, fields)
                     seq += 1
                 continue
             reason = _finish_reason(out.finish_reason or "stop")
             error = self._error(entry, out)
-            ids, text = out.token_ids, out.text
             late = self.host.link.take_timing(tid)  # came up in the request's last step
             marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
-            await self._send(event, seq, ids, text, reason, count, error, marks)
+            fields["num_cached_tokens"] = out.num_cached_tokens
+            await self._send(event, seq, fields, reason, count, error, marks)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at
             log.info(
-                "decoded rid=%s tid=%s: %d tokens, %s, first output %.3f s, total %.3f s",
+                "decoded rid=%s tid=%s: %d tokens, %d answers, %s, first output %.3f s,"
+                " total %.3f s",
                 rid,
                 tid,
                 count,
+                event.sampling.n,
                 reason.value,
                 first,
                 took,
@@ -192,13 +228,14 @@ class DecodeWorker(Worker):
         self,
         event: RequestEvent,
         seq: int,
-        token_ids: list[int],
-        text: str,
+        fields: dict[str, Any],
         finish: FinishReason | None = None,
         completion_tokens: int = 0,
         error: str | None = None,
         marks: Timing | None = None,
     ) -> None:
+        """One TokenChunk: ``fields`` (from ``chunk_fields``, ``prompt_logprobs``,
+        ``num_cached_tokens``), and on the last one its end, usage and timing."""
         usage = None
         if finish is not None:
             usage = Usage(
@@ -208,12 +245,11 @@ class DecodeWorker(Worker):
             request_id=event.request_id,
             transfer_id=event.transfer_id,
             seq=seq,
-            token_ids=token_ids,
-            text=text,
             finish_reason=finish,
             usage=usage,
             error=error[:MAX_ERROR] if error else None,
             timing=marks,
+            **fields,
         )
         await self.bus.publish(event.reply_subject, chunk, span=False)
 
@@ -224,7 +260,7 @@ class DecodeWorker(Worker):
             event.transfer_id,
             detail or reason.value,
         )
-        await self._send(event, 0, [], "", FinishReason.ERROR, 0, detail or reason.value)
+        await self._send(event, 0, {}, FinishReason.ERROR, 0, detail or reason.value)
 
 
 def main(args: argparse.Namespace) -> int:

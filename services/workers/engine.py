@@ -2,7 +2,8 @@
 
 Owns the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ``InprocClient``, so vLLM's scheduler and
 the connector's scheduler half run on the engine thread; no engine-core process, no 1 kHz busy
-loop), one ``RequestHandle`` per live request, and a command queue bounded by
+loop), one ``RequestHandle`` per live request (its ``n`` answers fanned out here, not by vLLM:
+``fanout.py``), and a command queue bounded by
 ``max_queued_commands`` (beyond it ``submit``/``abort``/queries raise RuntimeError). The model
 runs in this process too (``executor="uni"``, TP 1) or in vLLM's multiprocess executor
 (``executor="mp"``, the only choice for TP > 1): one worker process per TP rank, each with its
@@ -24,6 +25,7 @@ the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -33,12 +35,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
-
 from kvpush.connector import EngineLink
-from kvpush.schemas.messages import SamplingSpec
+from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import first_token, weights
 from kvpush.services.workers.engine_config import EngineConfig, engine_env, rank_core_lists
+from kvpush.services.workers.fanout import Answers, child_id, engine_params
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class EngineHost:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
-        self._handles: dict[str, RequestHandle] = {}  # engine thread only
+        self._requests: dict[str, Answers] = {}  # engine thread only: by request id
+        self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
         self.link = EngineLink()  # the engine's connector once built (this one: none)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -265,33 +267,71 @@ class EngineHost:
                 future.set_exception(exc)
 
     def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
-        from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
 
         token_ids, cache_salt, sampling, kv_params = request
         rid = handle.request_id
         try:
-            if rid in self._handles:
+            ids = [child_id(rid, i) for i in range(sampling.n)]
+            if any(i in self._answers for i in ids) or rid in self._requests:
                 raise ValueError("duplicate request_id")
-            params = SamplingParams(  # SamplingSpec's fields are SamplingParams' names
-                **msgspec.structs.asdict(sampling),
-                output_kind=RequestOutputKind.DELTA,
-                extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-            )
-            self._engine.add_request(rid, tokens_input(token_ids, cache_salt=cache_salt), params)
+            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
+            self._engine.add_request(rid, tokens_input(token_ids, cache_salt=cache_salt), params[0])
         except Exception as exc:
             log.warning("request %s rejected: %s", rid, exc)
             handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
             return
-        self._handles[rid] = handle
+        later = list(zip(ids[1:], params[1:], strict=True))
+        answers = Answers(rid, handle, (token_ids, cache_salt), {rid: 0}, later)
+        self._requests[rid] = answers
+        self._answers[rid] = answers
+
+    def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
+        from vllm.inputs.engine import tokens_input
+
+        token_ids, cache_salt = answers.prompt
+        self._engine.add_request(engine_id, tokens_input(token_ids, cache_salt=cache_salt), params)
+        self._answers[engine_id] = answers
 
     def _abort(self, request_id: str, reason: str, error: str | None) -> None:
-        if (handle := self._handles.pop(request_id, None)) is not None:
-            try:
-                self._engine.abort_request([request_id])
-            finally:
-                handle._push(EngineOutput(request_id, [], "", reason, error))
+        """End a request and every answer of it in the engine."""
+        if (answers := self._requests.pop(request_id, None)) is None:
+            return
+        live = list(answers.live)
+        answers.live.clear()
+        answers.later.clear()
+        for engine_id in live:
+            self._answers.pop(engine_id, None)
+        try:
+            if live:
+                self._engine.abort_request(live)
+        finally:
+            answers.handle._push(
+                EngineOutput(
+                    request_id,
+                    [],
+                    "",
+                    reason,
+                    error,
+                    answers.kv_transfer_params,  # answer 0's, if it ended already
+                    answers.num_cached_tokens,
+                )
+            )
+
+    def _route(self, out: Any) -> None:
+        """One answer's ``RequestOutput`` to its request's handle; answer 0's first output
+        starts the later answers (its prompt KV is in the prefix cache now)."""
+        if (answers := self._answers.get(out.request_id)) is None:  # aborted meanwhile
+            return
+        delta = answers.take(out.request_id, delta_of(out, answers.live[out.request_id]))
+        if out.finished:
+            del self._answers[out.request_id]
+        answers.handle._push(delta)
+        add = functools.partial(self._add_answer, answers)
+        if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
+            answers.handle._push(last)
+        if answers.handle.finished_at is not None:
+            self._requests.pop(answers.request_id, None)
 
     def _step(self) -> bool:
         """One engine step; True when it was idle (scheduled no tokens, or failed)."""
@@ -302,8 +342,8 @@ class EngineHost:
                 outputs = [*first_token.report(self._engine, tokens), *outputs]
         except Exception as exc:
             self._step_failures += 1
-            log.exception("engine step failed; failing %s", sorted(self._handles))
-            for rid in sorted(self._handles):
+            log.exception("engine step failed; failing %s", sorted(self._requests))
+            for rid in sorted(self._requests):
                 with contextlib.suppress(Exception):
                     self._abort(rid, "error", f"engine step failed: {exc!r}")
             if self._step_failures >= 3:
@@ -315,10 +355,7 @@ class EngineHost:
         self.steps += 1
         self.last_free_blocks = self._pool.get_num_free_blocks()
         for out in outputs:
-            if handle := self._handles.get(out.request_id):  # None: aborted meanwhile
-                handle._push(delta_of(out))
-                if out.finished:
-                    del self._handles[out.request_id]
+            self._route(out)
         return not self._last_executed or self.link.last_step_idle()
 
     def _shutdown(self) -> None:
@@ -326,7 +363,7 @@ class EngineHost:
             self._accepting = False
         while self._run_commands():  # commands queued before the stop still run
             pass
-        for rid in sorted(self._handles):
+        for rid in sorted(self._requests):
             with contextlib.suppress(Exception):
                 self._abort(rid, "abort", "engine stopped")
         try:

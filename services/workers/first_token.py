@@ -27,14 +27,25 @@ from typing import Any
 import msgspec
 
 from kvpush.connector import PrefillToken
-from kvpush.schemas.messages import FinishReason, FirstToken, SamplingSpec
+from kvpush.schemas.messages import FinishReason, FirstToken
+from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers.handles import EngineOutput
 
 
 def prefill_sampling(spec: SamplingSpec) -> SamplingSpec:
     """P's sampling for a request whose first token it samples: the request's own, one token
-    (``min_tokens`` at most 1, so an end of sequence is held back exactly as one engine would)."""
-    return msgspec.structs.replace(spec, max_tokens=1, min_tokens=min(spec.min_tokens, 1))
+    (``min_tokens`` at most 1, so an end of sequence is held back exactly as one engine would),
+    one answer, without what only D reports (log-probabilities) or applies (a grammar): the
+    gateway asks P for the token only where those are absent (``samples_on_prefill``)."""
+    return msgspec.structs.replace(
+        spec,
+        max_tokens=1,
+        min_tokens=min(spec.min_tokens, 1),
+        n=1,
+        logprobs=None,
+        prompt_logprobs=None,
+        structured_outputs=None,
+    )
 
 
 def first_token_of(

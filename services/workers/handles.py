@@ -1,6 +1,8 @@
-"""The outputs of the requests an ``EngineHost`` runs: ``EngineOutput`` (one delta, or a whole
-result) and ``RequestHandle`` (every delta of one request, for blocking and asyncio readers), and
-``delta_of`` (a vLLM ``RequestOutput`` as an ``EngineOutput``).
+"""The outputs of the requests an ``EngineHost`` runs: ``EngineOutput`` (one delta of one of a
+request's answers, or a whole result) and ``RequestHandle`` (every delta of one request, for
+blocking and asyncio readers); the conversions ``delta_of`` (a vLLM ``RequestOutput`` as an
+``EngineOutput``, its log-probabilities as ``TokenLogprob``s, never below ``LOGPROB_FLOOR``) and
+``sequence_output`` (an ``EngineOutput`` as the bus's ``SequenceOutput``).
 
 Threading model: the engine thread pushes into a handle (``_push``); any thread reads it
 (``iter``, ``result``) and asyncio readers get deltas through ``loop.call_soon_threadsafe``.
@@ -12,15 +14,24 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, Final
+
+from kvpush.schemas.sampling import SequenceOutput, TokenLogprob
+
+LOGPROB_FLOOR: Final = -9999.0  # JSON has no -inf; vLLM's OpenAI server prints this floor
+MAX_DECODED: Final = 4096  # TokenLogprob.decoded's bound
+MAX_STOP_STRING: Final = 256  # SequenceOutput.stop_reason's bound
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineOutput:
-    """One delta of a request (``finish_reason`` set on the last), or a whole ``result()``."""
+    """One delta of answer ``index`` of a request (``finish_reason`` set on the request's last
+    output only), or a whole ``result()``. With ``n`` > 1 an answer may end before the request
+    does: its last delta has ``sequence_finish_reason`` set and ``finish_reason`` None."""
 
     request_id: str
     token_ids: list[int]
@@ -29,8 +40,14 @@ class EngineOutput:
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-    logprobs: list[dict[int, float]] | None = None  # per token: top ids -> log-probability
-    stop_reason: int | str | None = None  # finish "stop": the stop token id or string, if any
+    # per new token: the sampled token first, then the top ones (vLLM's order), when asked for
+    logprobs: list[list[TokenLogprob]] | None = None
+    stop_reason: int | str | None = None  # answer ended "stop": the stop token id or string
+    index: int = 0  # which of the request's n answers
+    cumulative_logprob: float | None = None  # the answer's so far, when logprobs were asked for
+    # the request's first output only, when asked for: one entry per prompt token (first None)
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    sequence_finish_reason: str | None = None  # this answer's end (its last delta)
 
     @property
     def finished(self) -> bool:
@@ -38,7 +55,7 @@ class EngineOutput:
 
 
 class RequestHandle:
-    """The outputs of one request (at most ``max_tokens + 1`` deltas) for blocking readers
+    """The outputs of one request (at most ``n * (max_tokens + 1)`` deltas) for blocking readers
     (``iter``, ``result``) and asyncio (``async for``, fed by ``loop.call_soon_threadsafe``);
     ``submitted_at``, ``first_output_at``, ``finished_at`` are ``time.monotonic()`` stamps.
     """
@@ -91,33 +108,100 @@ class RequestHandle:
             with self._cond, contextlib.suppress(ValueError):
                 self._listeners.remove(listener)
 
-    def result(self, timeout: float | None = None) -> EngineOutput:
-        """Wait for the final output (TimeoutError after ``timeout`` s); all deltas joined."""
+    def result(self, timeout: float | None = None, index: int = 0) -> EngineOutput:
+        """Wait for the final output (TimeoutError after ``timeout`` s): answer ``index``'s
+        deltas joined, the request's end."""
         with self._cond:
             if not self._cond.wait_for(lambda: self.finished_at is not None, timeout):
                 raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
-            outs = self._outputs
+            outs = [o for o in self._outputs if o.index == index]
+            ended = [o for o in outs if o.sequence_finish_reason is not None]
             return dataclasses.replace(
-                outs[-1],
+                self._outputs[-1],
                 token_ids=[t for o in outs for t in o.token_ids],
                 text="".join(o.text for o in outs),
-                num_cached_tokens=outs[0].num_cached_tokens,
+                num_cached_tokens=self._outputs[0].num_cached_tokens,
                 logprobs=None
                 if all(o.logprobs is None for o in outs)
                 else [pos for o in outs for pos in o.logprobs or []],
+                index=index,
+                stop_reason=ended[-1].stop_reason if ended else None,
+                cumulative_logprob=outs[-1].cumulative_logprob if outs else None,
+                prompt_logprobs=self._outputs[0].prompt_logprobs,
+                sequence_finish_reason=ended[-1].sequence_finish_reason if ended else None,
             )
 
 
-def delta_of(out: Any) -> EngineOutput:
-    """A vLLM ``RequestOutput`` (DELTA kind) as an ``EngineOutput``."""
+def _floor(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf and nan too
+
+
+def position_logprobs(position: Any) -> list[TokenLogprob]:
+    """One position's candidates (vLLM: token id -> ``Logprob``) in vLLM's order."""
+    return [
+        TokenLogprob(
+            int(token_id),
+            _floor(float(lp.logprob)),
+            lp.rank,
+            None if lp.decoded_token is None else str(lp.decoded_token)[:MAX_DECODED],
+        )
+        for token_id, lp in position.items()
+    ]
+
+
+def logprobs_of(positions: Iterable[Any] | None) -> list[list[TokenLogprob]] | None:
+    """vLLM's sample log-probabilities (a list of dicts, or ``FlatLogprobs``: both iterate
+    positions, each a token id -> ``Logprob`` mapping)."""
+    return None if positions is None else [position_logprobs(pos) for pos in positions]
+
+
+def prompt_logprobs_of(positions: Iterable[Any] | None) -> list[list[TokenLogprob] | None] | None:
+    """vLLM's prompt log-probabilities: position 0 (no context) is None (``FlatLogprobs`` holds
+    it as an empty position); none (vLLM's DELTA outputs after the first: empty) is None."""
+    if not positions:
+        return None
+    return [position_logprobs(pos) if pos else None for pos in positions]
+
+
+def _cumulative(value: float | None) -> float | None:
+    if value is None or math.isnan(value):
+        return None
+    return max(float(value), LOGPROB_FLOOR) if math.isinf(value) else float(value)
+
+
+def delta_of(out: Any, index: int = 0) -> EngineOutput:
+    """A vLLM ``RequestOutput`` (DELTA kind, one answer: n = 1) as an ``EngineOutput`` of answer
+    ``index``; ``finish_reason`` is the answer's (the host's fan-out makes it the request's)."""
     c = out.outputs[0]
     reason = str(c.finish_reason or "stop") if out.finished else None
     error = "the engine failed this request" if reason == "error" else None
-    kv, cached = out.kv_transfer_params, out.num_cached_tokens
-    top = None
-    if c.logprobs is not None:  # asked for (SamplingSpec.logprobs): one dict per new token
-        top = [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in c.logprobs]
     stop = c.stop_reason if reason == "stop" else None
     return EngineOutput(
-        out.request_id, list(c.token_ids), c.text, reason, error, kv, cached, top, stop
+        out.request_id,
+        list(c.token_ids),
+        c.text,
+        reason,
+        error,
+        out.kv_transfer_params,
+        out.num_cached_tokens,
+        logprobs_of(c.logprobs),
+        stop,
+        index,
+        _cumulative(getattr(c, "cumulative_logprob", None)),
+        prompt_logprobs_of(getattr(out, "prompt_logprobs", None)),
+        reason,
+    )
+
+
+def sequence_output(out: EngineOutput) -> SequenceOutput:
+    """An answer's delta as the bus carries it (``TokenChunk.outputs``)."""
+    stop = out.stop_reason if out.sequence_finish_reason == "stop" else None
+    return SequenceOutput(
+        index=out.index,
+        token_ids=out.token_ids,
+        text=out.text,
+        logprobs=out.logprobs,
+        cumulative_logprob=out.cumulative_logprob,
+        finish_reason=out.sequence_finish_reason,
+        stop_reason=stop[:MAX_STOP_STRING] if isinstance(stop, str) else stop,
     )

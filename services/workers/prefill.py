@@ -4,10 +4,12 @@ Owns what a request means on the prefill side: for every RequestEvent on
 ``kvpush.v1.req.<me>.*`` in mode push or pull it submits the prompt with ``max_tokens=1`` and
 the event's transfer parameters to its engine; the kvpush connector inside the engine does the
 rest (match D's BlocksAnnounced, WRITE layer by layer, KvPushed / KvFailed). With
-``first_token_by`` prefill it samples that one token with the request's own sampling and sends
-it to D (``FirstToken`` on ``kvpush.v1.kv.done.<D>``), which continues the answer from it
-(``first_token.py``); otherwise it samples greedily and the token goes nowhere. Mode local is not
-its business (D computes the prompt) and is ignored. A request it cannot take (over
+``first_token_by`` prefill (where P's token is one engine's: ``samples_on_prefill``) it
+samples that one token with the request's own sampling and sends it to D (``FirstToken`` on
+``kvpush.v1.kv.done.<D>``), which continues the answer from it (``first_token.py``); otherwise
+it samples greedily and the token goes nowhere. Mode local is not its business (D computes the
+prompt) and is ignored, and so is a request for the prompt's log-probabilities (they need D's
+own prefill: D refuses one in push and pull). A request it cannot take (over
 ``--max-inflight``, past its deadline, another model, rejected by the engine before the
 connector saw it) is answered with KvFailed to the decode worker, which then computes the
 prompt itself at once instead of waiting for KV (DESIGN §4 rule 5).
@@ -20,22 +22,17 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvpush.connector import samples_on_prefill
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import (
-    FailReason,
-    KvFailed,
-    RequestEvent,
-    SamplingSpec,
-    TransferMode,
-    WorkerRole,
-)
+from kvpush.schemas.messages import FailReason, KvFailed, RequestEvent, TransferMode, WorkerRole
+from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers.first_token import first_token_of, prefill_sampling
 from kvpush.services.workers.handles import EngineOutput
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)
 
-PREFILL_SAMPLING = SamplingSpec(max_tokens=1, temperature=0.0)
+PREFILL_SAMPLING = SamplingSpec(max_tokens=1, temperature=0.0)  # n 1, no logprobs, no grammar
 REJECTED = "rejected:"  # EngineHost's error prefix for a request the engine never took
 
 
@@ -46,12 +43,15 @@ class PrefillWorker(Worker):
         return subjects.requests_for_prefill(self.worker_id)
 
     def accepts(self, event: RequestEvent) -> bool:
-        return event.mode is not TransferMode.LOCAL
+        return event.mode is not TransferMode.LOCAL and event.sampling.prompt_logprobs is None
 
     async def serve(self, entry: InFlight) -> None:
         event = entry.event
         rid, tid = event.request_id, event.transfer_id
-        samples_first = event.first_token_by is WorkerRole.PREFILL
+        # the gateway's rule, checked again: D takes no token where P's is not one engine's
+        samples_first = event.first_token_by is WorkerRole.PREFILL and samples_on_prefill(
+            event.sampling
+        )
         sampling = prefill_sampling(event.sampling) if samples_first else PREFILL_SAMPLING
         handle = self.submit(entry, sampling, self.kv_params(entry))
         if handle is None:

@@ -43,6 +43,7 @@ from kvpush.connector import (
     BusConnectError,
     TransferParams,
     configure_tracing,
+    samples_on_prefill,
 )
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
@@ -309,7 +310,8 @@ class Worker:
             prefill_address=prefill_addresses[0] if prefill_addresses else None,
             prefill_addresses=list(prefill_addresses or []),
             received_ns=entry.received_ns,
-            first_token_from_prefill=event.first_token_by is WorkerRole.PREFILL,
+            first_token_from_prefill=event.first_token_by is WorkerRole.PREFILL
+            and samples_on_prefill(event.sampling),  # (D's engine sees one answer's params)
         ).to_params()
 
     # ---- aborts -----------------------------------------------------------------------------

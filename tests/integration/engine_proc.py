@@ -70,7 +70,10 @@ def _output_dict(out: Any, handle: Any) -> dict[str, Any]:
         "error": out.error,
         "kv_transfer_params": out.kv_transfer_params,
         "num_cached_tokens": out.num_cached_tokens,
-        "logprobs": out.logprobs,
+        # per token: candidate id -> log-probability (what tests/gpu/gpu_swap.py compares)
+        "logprobs": None
+        if out.logprobs is None
+        else [{c.token_id: c.logprob for c in pos} for pos in out.logprobs],
         "first_output_s": None if first is None else first - handle.submitted_at,
         "total_s": None if done is None else done - handle.submitted_at,
         "submitted_at": handle.submitted_at,  # time.monotonic(): one clock for every process

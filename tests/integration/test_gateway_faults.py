@@ -77,7 +77,9 @@ async def test_api_keys_guard_v1_but_not_health(stack: StackFactory) -> None:
 async def test_inflight_bound_is_429_and_deadline_is_504_with_aborts_to_p_and_d(
     stack: StackFactory,
 ) -> None:
-    s = await stack(reply=None, max_inflight=1, max_queued=0, request_timeout_s=1.0, local_threshold=0)
+    s = await stack(
+        reply=None, max_inflight=1, max_queued=0, request_timeout_s=1.0, local_threshold=0
+    )
     first = asyncio.create_task(s.post("/v1/completions", {"prompt": "x"}))
     await wait_until(lambda: len(s.decode.events) == 1)
     status, answer = await s.post("/v1/completions", {"prompt": "y"})

@@ -13,14 +13,17 @@ import asyncio
 import random
 import signal
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort, FinishReason, KvFailed, TokenChunk, WorkerRole
+from kvpush.schemas.sampling import TokenLogprob
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.workers.registry import Registry
 from tests.integration.worker_proc import Observer, WorkerProc, kill_all, text_of, tokens_of
@@ -73,10 +76,36 @@ def assert_well_formed(chunks: list[TokenChunk], finish: FinishReason, prompt_le
     assert all(c.finish_reason is None and c.usage is None and c.error is None for c in body)
     assert last.finish_reason is finish and last.error is None
     assert last.usage is not None
+    answers = sum(len(tokens) for tokens in answers_of(chunks).values())
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
         prompt_len,
-        len(tokens_of(chunks)),
+        len(tokens_of(chunks)) + answers,
     )
+
+
+def answers_of(chunks: list[TokenChunk]) -> dict[int, list[int]]:
+    """Each answer's tokens, by index, from the chunks' ``outputs`` (n > 1 or logprobs)."""
+    answers: dict[int, list[int]] = defaultdict(list)
+    for chunk in chunks:
+        for seq in chunk.outputs or []:
+            answers[seq.index].extend(seq.token_ids)
+    return dict(answers)
+
+
+def logprobs_of(chunks: list[TokenChunk], index: int = 0) -> list[list[TokenLogprob]]:
+    return [
+        pos
+        for chunk in chunks
+        for seq in chunk.outputs or []
+        if seq.index == index
+        for pos in seq.logprobs or []
+    ]
+
+
+async def blocks_back(obs: Observer, *worker_ids: str) -> None:
+    """Every block of each worker free again (a fresh heartbeat says so), nothing in flight."""
+    for worker in worker_ids:
+        await obs.fresh_beat(worker, lambda b: b.in_flight == 0 and b.free_blocks == b.total_blocks)
 
 
 def kv_landed(chunks: list[TokenChunk]) -> int:
@@ -252,6 +281,133 @@ async def test_workers_beat_every_second_and_keep_a_registry_entry(workers: Work
     # D sends P's side channel with every transfer (the connector probes it if P goes quiet)
     log = workers.procs[D].log_path.read_text()
     assert f"prefill {P} ({entries[P].side_channel})" in log
+
+
+# ---- OpenAI parity: n answers, log-probabilities, penalties --------------------------------
+async def test_n_seeded_answers_after_a_push_are_each_what_one_engine_draws_alone(
+    workers: Workers, rng: random.Random
+) -> None:
+    """n = 3 fans out on D: answer 0 takes the pushed KV, answers 1 and 2 start after its first
+    output; answer i draws as one engine does with seed 7 + i (vLLM's ParentRequest rule)."""
+    obs = workers.observer
+    ids = prompt(rng, 300)
+    seeded: dict[str, Any] = {"temperature": 1.0, "seed": 7}
+    chunks = await obs.generate(obs.event(P, D, ids, "push", MAX_TOKENS, n=3, **seeded))
+    assert_well_formed(chunks, FinishReason.LENGTH, len(ids))
+    assert kv_landed(chunks) > 0 and prefill_token(chunks) == 0, chunks[-1]  # seeded: D samples
+    assert all(c.token_ids == [] and c.text == "" for c in chunks)  # the answers are in outputs
+    answers = answers_of(chunks)
+    assert sorted(answers) == [0, 1, 2]
+    ends = {s.index: s.finish_reason for c in chunks for s in c.outputs or [] if s.finish_reason}
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].num_cached_tokens is not None
+    for i in range(3):
+        alone = obs.event(P, REF, ids, "local", MAX_TOKENS, temperature=1.0, seed=7 + i)
+        expected = tokens_of(await obs.generate(alone))
+        assert answers[i] == expected, i
+    assert len({tuple(tokens) for tokens in answers.values()}) > 1  # the seeds differ
+    await blocks_back(obs, P, D)
+
+
+async def test_logprobs_after_a_push_are_one_engine_s(workers: Workers, rng: random.Random) -> None:
+    obs = workers.observer
+    ids = prompt(rng, 300)
+    chunks = await obs.generate(obs.event(P, D, ids, "push", MAX_TOKENS, logprobs=3))
+    expected = await obs.generate(obs.event(P, REF, ids, "local", MAX_TOKENS, logprobs=3))
+    for got in (chunks, expected):
+        assert_well_formed(got, FinishReason.LENGTH, len(ids))
+    assert kv_landed(chunks) > 0 and prefill_token(chunks) == 0, chunks[-1]
+    assert answers_of(chunks)[0] == answers_of(expected)[0]
+    assert len(answers_of(chunks)[0]) == MAX_TOKENS
+    got, want = logprobs_of(chunks), logprobs_of(expected)
+    assert len(got) == len(want) == MAX_TOKENS
+    for token, pos, ref in zip(answers_of(chunks)[0], got, want, strict=True):
+        assert pos[0].token_id == token  # the sampled token first, then the top 3
+        assert [c.token_id for c in pos] == [c.token_id for c in ref]
+        assert 3 <= len(pos) <= 4
+        for c, r in zip(pos, ref, strict=True):
+            assert abs(c.logprob - r.logprob) <= 1e-4, (c, r)
+            assert c.rank is not None and c.rank >= 1 and c.decoded
+            assert c.logprob >= -9999.0
+    assert {pos[0].rank for pos in got} == {1}  # greedy: the sampled token is the top one
+    cumulative = [s.cumulative_logprob for c in chunks for s in c.outputs or []]
+    assert cumulative[-1] == pytest.approx(sum(pos[0].logprob for pos in got), abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("penalties", "prefill_samples"),
+    [
+        ({"presence_penalty": 0.8, "frequency_penalty": 0.6, "min_p": 0.05}, False),
+        ({"repetition_penalty": 1.5, "min_p": 0.05, "logit_bias": {42: 4.0, 77: -100.0}}, True),
+    ],
+    ids=["history", "per-step"],
+)
+async def test_penalties_min_p_and_logit_bias_after_a_push_are_one_engine_s(
+    workers: Workers, rng: random.Random, penalties: dict[str, Any], prefill_samples: bool
+) -> None:
+    """Penalties on the answer's history mean D samples the first token (P's token would be a
+    prompt token to D); per-step ones leave it to P. Either way the answer is one engine's."""
+    obs = workers.observer
+    ids = prompt(rng, 300)
+    max_tokens = 16
+    sampling = {"repetition_penalty": 1.3, **penalties}
+    chunks = await obs.generate(obs.event(P, D, ids, "push", max_tokens, **sampling))
+    expected = await obs.generate(obs.event(P, REF, ids, "local", max_tokens, **sampling))
+    plain = await obs.generate(obs.event(P, REF, ids, "local", max_tokens))
+    assert_well_formed(chunks, FinishReason.LENGTH, len(ids))
+    assert kv_landed(chunks) > 0 and (prefill_token(chunks) > 0) is prefill_samples, chunks[-1]
+    assert tokens_of(chunks) == tokens_of(expected)
+    assert text_of(chunks) == text_of(expected)
+    assert tokens_of(chunks) != tokens_of(plain)  # the parameters did something
+
+
+async def test_prompt_logprobs_come_in_the_first_chunk_and_push_or_pull_is_refused(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    ids = prompt(rng, 150)
+    chunks = await obs.generate(obs.event(P, D, ids, "local", 4, prompt_logprobs=2))
+    assert_well_formed(chunks, FinishReason.LENGTH, len(ids))
+    first, *rest = chunks
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(ids)
+    assert first.prompt_logprobs[0] is None
+    for token, pos in zip(ids[1:], first.prompt_logprobs[1:], strict=True):
+        assert pos is not None and pos[0].token_id == token and 2 <= len(pos) <= 3
+        assert all(c.logprob >= -9999.0 and c.rank is not None for c in pos)
+    assert all(c.prompt_logprobs is None for c in rest)
+    assert len(answers_of(chunks)[0]) == 4
+    for mode in ("push", "pull"):
+        event = obs.event(P, D, ids, mode, 4, prompt_logprobs=2)
+        (refused,) = await obs.generate(event, timeout_s=10)
+        assert refused.finish_reason is FinishReason.ERROR
+        assert refused.error is not None and "prompt_logprobs" in refused.error
+        assert "local" in refused.error
+    await blocks_back(obs, P, D)
+
+
+async def test_an_aborted_request_of_n_answers_frees_every_answer_s_blocks(
+    workers: Workers, rng: random.Random
+) -> None:
+    obs = workers.observer
+    ids = prompt(rng, 300)
+    max_tokens = CONTEXT - len(ids) - 8
+    event = obs.event(P, D, ids, "push", max_tokens, n=3, temperature=1.0, ignore_eos=True)
+    await obs.publish(event)
+
+    def every_answer_runs() -> bool:
+        return set(answers_of(obs.chunks[event.request_id])) == {0, 1, 2}
+
+    await obs.wait_for(every_answer_runs, 60, "3 answers flowing")
+    busy = await obs.fresh_beat(D, lambda b: b.in_flight == 1)
+    assert busy.free_blocks < busy.total_blocks - 3  # 2 shared prompt blocks, 1+ per answer
+    for worker in (P, D):
+        abort = Abort(transfer_id=event.transfer_id, sender=obs.gateway_id, reason="client gone")
+        await obs.bus.publish(subjects.abort(worker), abort)
+    chunks = await obs.collect(event, 15)
+    assert chunks[-1].finish_reason is FinishReason.ABORT
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert all(len(t) < max_tokens for t in answers_of(chunks).values())
+    await blocks_back(obs, P, D)
 
 
 async def test_sigterm_drains_a_worker_in_flight_requests_finish_new_ones_do_not_arrive(

@@ -184,8 +184,9 @@ class Observer:
         first_token_by: str = "prefill",
         **sampling: Any,
     ) -> RequestEvent:
-        """A RequestEvent as the gateway makes it (greedy unless ``sampling`` says otherwise;
-        P samples the first token in push and pull, as the gateway's default has it)."""
+        """A RequestEvent as the gateway makes it (greedy unless ``sampling``, SamplingSpec
+        fields, says otherwise; P samples the first token in push and pull, as the gateway's
+        default has it)."""
         tid = secrets.token_urlsafe(12)
         return RequestEvent(
             transfer_id=tid,
@@ -196,7 +197,7 @@ class Observer:
             prompt_token_ids=prompt,
             reply_subject=self.reply_subject,
             deadline_ms=int((time.time() + deadline_s) * 1000),
-            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, **sampling),
+            sampling=SamplingSpec(**{"max_tokens": max_tokens, "temperature": 0.0, **sampling}),
             mode=TransferMode(mode),
             stream=stream,
             first_token_by=WorkerRole(first_token_by if mode != "local" else "decode"),

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpush.schemas.messages import MAX_OUTPUT_TOKENS, SamplingSpec, TransferMode
+from kvpush.schemas.messages import TransferMode
+from kvpush.schemas.sampling import MAX_OUTPUT_TOKENS, SamplingSpec
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.openai_api import ApiError, Endpoint, parse_request
 

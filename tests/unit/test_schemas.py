@@ -191,7 +191,7 @@ def _request_dict(**changes: object) -> dict:
         {"reply_subject": "kvpush.v1.tokens.*"},
         {"mode": "teleport"},
         {"deadline_ms": -5},
-        {"sampling": {"temperature": 2.5}},
+        {"sampling": {"temperature": 1000.5}},
         {"sampling": {"top_p": 0.0}},
         {"sampling": {"max_tokens": 0}},
         {"sampling": {"stop": ["x"] * 17}},

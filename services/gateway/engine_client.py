@@ -1,0 +1,264 @@
+"""``BusEngineClient``: vLLM's ``EngineClient`` whose engine is a kvpush P/D pair on the bus.
+
+vLLM's serving layer (``frontend``) renders and validates a request, then calls ``generate``
+with the prompt's token ids and the ``SamplingParams`` it built. Here that becomes one
+``flow.RemoteGeneration``: the params as a bounded ``SamplingSpec`` (``spec_of``; validated by
+vLLM's own ``InputProcessor`` first, so what vLLM's engine client refuses is a 400 here too),
+one RequestEvent, and the decode worker's TokenChunks turned back into vLLM ``RequestOutput``s
+(``Outputs``): deltas for a stream, one whole output otherwise, as vLLM's ``AsyncLLM`` yields.
+Everything else the protocol asks of an engine client is a no-op or "not supported": kvpush's
+engines live in the workers.
+
+This module imports vLLM; the gateway imports it once it builds its frontend.
+
+Threading model: the gateway's event loop only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.engine.protocol import EngineClient
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+from kvpush.schemas.messages import TokenChunk
+from kvpush.schemas.sampling import (
+    SamplingSpec,
+    SequenceOutput,
+    StructuredOutputs,
+    TokenLogprob,
+)
+from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.remote import CURRENT, RemoteGeneration, RequestContext
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from kvpush.services.gateway.frontend import Frontend
+    from kvpush.services.gateway.remote import FlowHost
+
+_SPEC_FIELDS = tuple(f for f in SamplingSpec.__struct_fields__ if f != "structured_outputs")
+
+
+def spec_of(params: SamplingParams) -> SamplingSpec:
+    """vLLM's params as the bus carries them (ValueError: outside the bus's bounds)."""
+    fields = {name: getattr(params, name, None) for name in _SPEC_FIELDS}
+    fields = {name: value for name, value in fields.items() if value is not None}
+    for name in ("stop", "stop_token_ids", "bad_words"):
+        fields[name] = list(fields.get(name) or [])
+    if params.logit_bias:
+        fields["logit_bias"] = {int(k): float(v) for k, v in params.logit_bias.items()}
+    if params.seed is not None:
+        fields["seed"] = params.seed
+    guide = params.structured_outputs
+    if guide is not None:
+        grammar = {
+            name: getattr(guide, name)
+            for name in StructuredOutputs.__struct_fields__
+            if getattr(guide, name, None) not in (None, False)
+        }
+        if isinstance(grammar.get("json"), dict):
+            grammar["json"] = json.dumps(grammar["json"])
+        fields["structured_outputs"] = grammar
+    try:
+        return msgspec.convert(fields, SamplingSpec)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"sampling parameters out of kvpush's bounds: {exc}") from None
+
+
+def _logprobs(positions: list[list[TokenLogprob]] | None) -> list[dict[int, Logprob]] | None:
+    if positions is None:
+        return None
+    return [
+        {c.token_id: Logprob(c.logprob, c.rank, c.decoded) for c in candidates}
+        for candidates in positions
+    ]
+
+
+class Outputs:
+    """A request's chunks as vLLM ``RequestOutput``s: each chunk's deltas, or (``final_only``)
+    every answer accumulated into one output at the end."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], final_only: bool) -> None:
+        self.request_id, self.prompt_ids, self.final_only = request_id, prompt_ids, final_only
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.whole: dict[int, CompletionOutput] = {}
+
+    @staticmethod
+    def sequences(chunk: TokenChunk) -> list[SequenceOutput]:
+        if chunk.outputs is not None:
+            return chunk.outputs
+        reason = chunk.finish_reason.value if chunk.finish_reason is not None else None
+        return [
+            SequenceOutput(
+                token_ids=chunk.token_ids,
+                text=chunk.text,
+                finish_reason=reason,
+                stop_reason=getattr(chunk, "stop_reason", None),
+            )
+        ]
+
+    def of(self, chunk: TokenChunk) -> RequestOutput | None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = [
+                None if not p else _logprobs([p])[0]  # type: ignore[index]
+                for p in chunk.prompt_logprobs
+            ]
+        finished = chunk.finish_reason is not None
+        deltas = []
+        for seq in self.sequences(chunk):
+            out = CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=_logprobs(seq.logprobs),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            if self.final_only:
+                self._add(out)
+            else:
+                deltas.append(out)
+        if self.final_only:
+            if not finished:
+                return None
+            deltas = [self.whole[i] for i in sorted(self.whole)]
+        return RequestOutput(
+            self.request_id,
+            None,
+            self.prompt_ids,
+            self.prompt_logprobs,
+            deltas,
+            finished,
+            num_cached_tokens=chunk.num_cached_tokens if finished else None,
+        )
+
+    def _add(self, delta: CompletionOutput) -> None:
+        whole = self.whole.get(delta.index)
+        if whole is None:
+            self.whole[delta.index] = delta
+            return
+        whole.text += delta.text
+        whole.token_ids = [*whole.token_ids, *delta.token_ids]
+        if delta.logprobs is not None:
+            whole.logprobs = [*(whole.logprobs or []), *delta.logprobs]
+        whole.cumulative_logprob = delta.cumulative_logprob
+        whole.finish_reason = delta.finish_reason or whole.finish_reason
+        whole.stop_reason = delta.stop_reason if delta.finish_reason else whole.stop_reason
+
+
+class BusEngineClient(EngineClient):
+    """The engine client of vLLM's serving layer in the gateway; see the module docstring."""
+
+    def __init__(self, frontend: Frontend, host: FlowHost) -> None:
+        self.vllm_config = frontend.vllm_config
+        self.model_config = frontend.vllm_config.model_config
+        self.renderer = frontend.renderer
+        self.input_processor = frontend.input_processor
+        self.host = host
+
+    async def generate(  # type: ignore[override]
+        self, prompt: Any, sampling_params: SamplingParams, request_id: str, **_: Any
+    ) -> AsyncGenerator[RequestOutput, None]:
+        context = CURRENT.get() or RequestContext(span=_no_span())
+        ids = list(prompt["prompt_token_ids"])
+        # what vLLM's own engine client refuses (e.g. logprobs above max_logprobs) is a 400 here
+        self.input_processor.process_inputs(
+            request_id, prompt, sampling_params.clone(), supported_tasks=("generate",)
+        )
+        spec = spec_of(sampling_params)
+        final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        outputs = Outputs(request_id, ids, final_only)
+        remote = RemoteGeneration(self.host, context, request_id)
+        try:
+            await remote.start(ids, spec, stream=not final_only)
+            while True:
+                chunk = await remote.next()
+                result = outputs.of(chunk)
+                if result is not None:
+                    yield result
+                if chunk.finish_reason is not None:
+                    return
+        finally:
+            remote.finish()
+
+    # ---- the rest of the protocol: kvpush's engines live in the workers -----------------------
+    is_running = property(lambda self: True)
+    is_stopped = property(lambda self: False)
+    errored = property(lambda self: False)
+    dead_error = property(lambda self: RuntimeError("kvpush gateway: no local engine"))
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise api.ApiError(400, "pooling models are not served by kvpush")
+
+    async def abort(self, request_id: Any, *args: Any, **kwargs: Any) -> None:
+        return None  # a RemoteGeneration aborts itself when its generator closes
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def check_health(self) -> None:
+        return None
+
+    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def stop_profile(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def reset_mm_cache(self) -> None:
+        return None
+
+    async def reset_encoder_cache(self) -> None:
+        return None
+
+    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def wake_up(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def add_lora(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def resume_generation(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def is_paused(self) -> bool:
+        return False
+
+    async def release_kv_cache_memory(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _no_span() -> Span:
+    from opentelemetry import trace
+
+    return trace.INVALID_SPAN

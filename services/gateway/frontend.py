@@ -1,0 +1,112 @@
+"""vLLM's own OpenAI serving layer, built over kvpush's bus engine client (``Frontend``).
+
+kvpush answers as ``vllm serve`` does because it runs vLLM's code for everything a server does
+before and after the engine: request models and validation, chat templates (roles, tools,
+``chat_template_kwargs``), tokenization and ``truncate_prompt_tokens``, ``max_tokens`` clamped
+to the context, the model's generation-config defaults, ``SamplingParams`` construction,
+structured-output and tool/reasoning parsing of the answer, logprob, echo, ``n`` and usage
+shapes, ``/tokenize``, ``/detokenize`` and ``/v1/models``. ``build_frontend`` parses vLLM's own
+``vllm serve`` flags (``vllm_args``), makes the ``VllmConfig`` (no engine), a renderer and an
+input processor, and calls vLLM's ``init_app_state`` with ``BusEngineClient``; what differs
+between vLLM 0.26 (GPU hosts) and 0.32 (CPU) is three import paths, handled here.
+
+What stays kvpush's: the engine client (``engine_client``: routing, the bus, deadlines,
+aborts, traces), admission, auth, metrics and the HTTP server.
+
+Threading model: ``build_frontend`` blocks (imports vLLM, reads the model folder: seconds) and
+runs on a worker thread at start; ``init`` runs on the gateway's loop. The serving objects are
+then used from the loop only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.config import GatewayConfig
+
+
+@dataclasses.dataclass
+class Frontend:
+    """vLLM's serving objects (set by ``init``) and the config they were built from."""
+
+    args: Any  # vLLM's parsed ``vllm serve`` namespace
+    vllm_config: Any
+    renderer: Any
+    input_processor: Any
+    completion: Any = None
+    chat: Any = None
+    tokenization: Any = None
+    models: Any = None
+
+    @property
+    def model_config(self) -> Any:
+        return self.vllm_config.model_config
+
+    @property
+    def served_names(self) -> list[str]:
+        return list(self.model_config.served_model_name_list())
+
+    async def init(self, engine_client: Any) -> None:
+        """vLLM's ``init_app_state`` with ``engine_client``: the version's own serving objects."""
+        from starlette.datastructures import State
+
+        try:
+            from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        except ImportError:  # vLLM 0.26
+            from vllm.entrypoints.openai.api_server import init_app_state
+
+        state = State()
+        await init_app_state(engine_client, state, self.args, ("generate",))
+        self.completion = state.openai_serving_completion
+        self.chat = state.openai_serving_chat
+        self.tokenization = state.serving_tokenization
+        self.models = state.openai_serving_models
+
+
+def vllm_argv(config: GatewayConfig) -> list[str]:
+    """The ``vllm serve`` flags of this gateway: model, names, context, then ``vllm_args``."""
+    argv = ["--model", str(config.model)]
+    if config.served_model_name:
+        argv += ["--served-model-name", *config.served_model_name.split(",")]
+    if config.max_model_len:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    argv += ["--disable-log-stats"]
+    return argv + list(config.vllm_args)
+
+
+def build_frontend(config: GatewayConfig, default_name: str, max_model_len: int) -> Frontend:
+    """Parse the flags, make the VllmConfig, renderer and input processor (blocking)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+    except ImportError:  # vLLM 0.26
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.renderers import renderer_from_config
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from kvpush.services.gateway.config import ConfigError
+
+    argv = vllm_argv(config)
+    if not config.served_model_name:
+        argv += ["--served-model-name", default_name]
+    if not config.max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    try:
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        validate_parsed_serve_args(args)
+        # copies --reasoning-parser where init_app_state reads it (args.structured_outputs_config)
+        vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+    except SystemExit:
+        raise ConfigError(f"vLLM rejected the serving flags {argv[2:]}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"vLLM rejected the serving flags: {exc}") from None
+    renderer = renderer_from_config(vllm_config)
+    return Frontend(args, vllm_config, renderer, InputProcessor(vllm_config, renderer))

@@ -1,0 +1,249 @@
+"""The OpenAI routes, answered by vLLM's serving layer (``frontend``) over kvpush's engine client.
+
+``/v1/completions`` and ``/v1/chat/completions``: the body becomes vLLM's own request model
+(pydantic; a validation error is the 400 vLLM's server answers), the ``kvpush_mode`` extension
+is taken off it first, and vLLM's ``create_completion`` / ``create_chat_completion`` runs with
+a ``flow.RequestContext`` in the context (the engine client's ``generate`` reads it). Its
+result is written as vLLM's server writes it: an ``ErrorResponse`` with its code, a response
+model as JSON, a stream as SSE. An engine request that failed before anything was sent (no
+worker 503, deadline 504, worker error 502) answers with its own status, not a 200 stream
+that carries an error; once the stream started an error is an ``{"error": ...}`` event, then
+``[DONE]`` (vLLM's shape). ``/tokenize``, ``/detokenize``, ``/v1/models`` and ``/version`` are
+vLLM's too. The response's ``X-Request-Id`` is the client's, else the answer's id.
+
+Threading model: handlers on the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from kvpush.schemas.messages import TransferMode
+from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.remote import CURRENT, RequestContext
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.admission import Admission
+    from kvpush.services.gateway.frontend import Frontend
+    from kvpush.services.gateway.metrics import GatewayMetrics
+
+_tracer = trace.get_tracer("kvpush.gateway")
+_json = msgspec.json.Encoder()
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+def _dump(model: Any) -> bytes:
+    return model.model_dump_json().encode()
+
+
+class RawRequest:
+    """What vLLM's serving methods read of a Starlette request: headers and ``state``."""
+
+    def __init__(self, request: web.Request, args: Any) -> None:
+        self.headers = request.headers
+        self.state = types.SimpleNamespace()
+        self.app = types.SimpleNamespace(state=types.SimpleNamespace(args=args))
+
+
+def _mode(data: dict[str, Any]) -> TransferMode | None:
+    value = data.pop("kvpush_mode", None)
+    if value is None:
+        return None
+    try:
+        return TransferMode(value)
+    except ValueError:
+        raise api.ApiError(
+            400, "'kvpush_mode' must be one of push, pull, local", param="kvpush_mode"
+        ) from None
+
+
+class OpenAIRoutes:
+    """The routes of vLLM's OpenAI server, over ``frontend``'s serving objects."""
+
+    def __init__(self, frontend: Frontend, admission: Admission, metrics: GatewayMetrics) -> None:
+        self.frontend, self.admission, self.metrics = frontend, admission, metrics
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+
+        self.models_of = {
+            "completion": CompletionRequest,
+            "chat": ChatCompletionRequest,
+            "detokenize": DetokenizeRequest,
+        }
+        self.tokenize_model: Any = TokenizeRequest  # a union: through a TypeAdapter
+        try:
+            from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        except ImportError:  # vLLM 0.26
+            from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+        self.error_type = ErrorResponse
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/version", self.version)
+
+    # ---- parsing --------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            data = msgspec.json.decode(await request.read())
+        except Exception:  # msgspec.DecodeError, RecursionError, ...: all mean bad JSON
+            raise api.ApiError(400, "request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise api.ApiError(400, "request body must be a JSON object")
+        return data
+
+    async def _validated(self, model: Any, data: dict[str, Any], request: web.Request) -> Any:
+        import pydantic
+
+        try:
+            if isinstance(model, type):
+                return model.model_validate(data)
+            return pydantic.TypeAdapter(model).validate_python(data)
+        except pydantic.ValidationError as exc:
+            raise await self._validation_error(exc, request) from None
+
+    async def _validation_error(self, exc: Any, request: web.Request) -> api.ApiError:
+        """vLLM's own 400 for a request its models reject (its message format)."""
+        from fastapi.exceptions import RequestValidationError
+
+        try:
+            from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+                validation_exception_handler,
+            )
+        except ImportError:  # vLLM 0.26
+            from vllm.entrypoints.serve.utils.server_utils import validation_exception_handler
+        fake = RawRequest(request, self.frontend.args)
+        answer = await validation_exception_handler(fake, RequestValidationError(exc.errors()))
+        body = msgspec.json.decode(answer.body)
+        error = body.get("error", {})
+        return api.ApiError(
+            answer.status_code,
+            str(error.get("message", "invalid request")),
+            type_=str(error.get("type", "BadRequestError")),
+            param=error.get("param"),
+            code=error.get("code", answer.status_code),
+        )
+
+    # ---- generation -----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        data = await self._body(request)
+        mode = _mode(data)
+        parsed = await self._validated(self.models_of[kind], data, request)
+        async with self.admission.slot():
+            self.metrics.in_flight.inc()
+            try:
+                name = "chat" if kind == "chat" else "text_completion"
+                attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
+                with _tracer.start_as_current_span(
+                    "gateway.request", kind=SpanKind.SERVER, attributes=attributes
+                ) as span:
+                    context = RequestContext(span=span, mode=mode)
+                    token = CURRENT.set(context)
+                    try:
+                        return await self._serve(request, kind, parsed, context)
+                    finally:
+                        CURRENT.reset(token)
+            finally:
+                self.metrics.in_flight.dec()
+
+    async def _serve(
+        self, request: web.Request, kind: str, parsed: Any, context: RequestContext
+    ) -> web.StreamResponse:
+        raw = RawRequest(request, self.frontend.args)
+        try:
+            if kind == "chat":
+                result = await self.frontend.chat.create_chat_completion(parsed, raw)
+            else:
+                result = await self.frontend.completion.create_completion(parsed, raw)
+        except api.ApiError:
+            raise
+        except Exception as exc:  # vLLM's errors (VLLMValidationError, ValueError, ...)
+            if context.error is not None:
+                raise context.error from None
+            raise self._error_of(exc) from None  # the status vLLM's server gives it
+        if context.error is not None and not context.sent_first:
+            if hasattr(result, "aclose"):
+                await result.aclose()
+            raise context.error
+        return await self._answer(request, result, context)
+
+    def _error_of(self, exc: Exception) -> api.ApiError:
+        answer = self.frontend.completion.create_error_response(exc)
+        error = answer.error
+        return api.ApiError(
+            int(error.code), error.message, type_=error.type, param=error.param, code=error.code
+        )
+
+    async def _answer(
+        self, request: web.Request, result: Any, context: RequestContext
+    ) -> web.StreamResponse:
+        if isinstance(result, self.error_type):
+            return web.Response(
+                body=_dump(result), status=result.error.code, content_type="application/json"
+            )
+        if not hasattr(result, "__aiter__"):
+            response = web.Response(body=_dump(result), content_type="application/json")
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", result.id)
+            return response
+        first = await anext(result, None)  # an error before any answer gets its own status
+        if context.error is not None and not context.sent_first:
+            await result.aclose()
+            raise context.error
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        if "X-Request-Id" in request.headers:
+            response.headers["X-Request-Id"] = request.headers["X-Request-Id"]
+        await response.prepare(request)
+        try:
+            if first is not None:
+                await response.write(first.encode())
+            async for item in result:
+                await response.write(item.encode())
+            await response.write_eof()
+        except ConnectionError:  # the client went away while we wrote
+            await result.aclose()
+        return response
+
+    # ---- the rest of vLLM's routes --------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        parsed = await self._validated(self.tokenize_model, await self._body(request), request)
+        raw = RawRequest(request, self.frontend.args)
+        return self._plain(await self.frontend.tokenization.create_tokenize(parsed, raw))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        parsed = await self._validated(self.models_of["detokenize"], data, request)
+        raw = RawRequest(request, self.frontend.args)
+        return self._plain(await self.frontend.tokenization.create_detokenize(parsed, raw))
+
+    def _plain(self, result: Any) -> web.Response:
+        status = result.error.code if isinstance(result, self.error_type) else 200
+        return web.Response(body=_dump(result), status=status, content_type="application/json")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return self._plain(await self.frontend.models.show_available_models())
+
+    async def version(self, request: web.Request) -> web.Response:
+        import vllm
+
+        return json_response({"version": vllm.__version__})

@@ -1,0 +1,161 @@
+"""The parity suite's requests: what a client of ``vllm serve`` sends, by feature.
+
+Each case is (name, feature, method, path, body); the suite sends it to ``vllm serve`` and to a
+kvpush stack whose gateway runs ``--frontend vllm`` (push and pull) and compares the answers
+(``normalized``). ``docs/api.md``'s parity table is generated from these cases and their
+outcomes (``tests/e2e/test_parity.py``).
+
+Threading model: none (data and pure functions).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT = (
+    "The history of the river valley begins with small farming villages along the banks, "
+    "where families grew barley and wheat, kept goats, and traded pottery with travellers "
+    "coming down from the northern hills. Over many generations the villages grew into towns "
+    "with markets, temples and granaries, and the town councils kept written records of "
+    "harvests, floods and disputes about water."
+)
+MODEL = "kvpush-tiny"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+Case = tuple[str, str, str, str, dict[str, Any] | None]
+
+
+def _c(name: str, feature: str, **fields: Any) -> Case:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, **fields}
+    return (name, feature, "POST", "/v1/completions", body)
+
+
+def _chat(name: str, feature: str, **fields: Any) -> Case:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "temperature": 0.0, **fields}
+    return (name, feature, "POST", "/v1/chat/completions", body)
+
+
+CASES: list[Case] = [
+    _c("greedy", "completions, greedy"),
+    _c("seeded", "seed, temperature, top_p", temperature=0.9, top_p=0.9, seed=42),
+    _c("top_k", "top_k", temperature=1.0, top_k=5, seed=1),
+    _c("min_p", "min_p", temperature=1.0, min_p=0.2, seed=3),
+    _c("penalties", "presence/frequency penalties", presence_penalty=1.5, frequency_penalty=1.0),
+    _c("repetition", "repetition_penalty", repetition_penalty=1.5),
+    _c("logit_bias", "logit_bias", logit_bias={"100": 100}),
+    _c("logprobs", "logprobs (completions)", logprobs=3),
+    _c("echo", "echo", echo=True, max_tokens=4),
+    _c("echo_logprobs", "echo with logprobs (prompt logprobs)", echo=True, logprobs=2),
+    _c("n3_seeded", "n > 1", n=3, temperature=1.0, seed=5),
+    _c("batch", "batch prompts", prompt=[PROMPT, PROMPT[:120]]),
+    _c("stop", "stop strings", stop=["e"], max_tokens=30),
+    _c("stop_included", "include_stop_str_in_output", stop=["e"], include_stop_str_in_output=True),
+    _c("stop_token_ids", "stop_token_ids", stop_token_ids=[82, 85], max_tokens=30),
+    _c("min_tokens", "min_tokens, ignore_eos", min_tokens=8, ignore_eos=True),
+    _c("default_max", "max_tokens default (16)", max_tokens=None),
+    _c("clamped", "max_tokens beyond the context", max_tokens=100_000),
+    _c("truncate", "truncate_prompt_tokens", truncate_prompt_tokens=40),
+    _c("bad_words", "bad_words", bad_words=["the"]),
+    _c("special", "skip_special_tokens false", skip_special_tokens=False),
+    _c("stream", "stream with usage", stream=True, stream_options={"include_usage": True}),
+    _c("choice", "structured_outputs choice", structured_outputs={"choice": ["yes", "no"]}),
+    _c("regex", "structured_outputs regex", structured_outputs={"regex": "[0-9]{3}"}),
+    _chat("chat", "chat, greedy"),
+    _chat(
+        "developer",
+        "developer and system roles",
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "developer", "content": "Answer in English."},
+            *MESSAGES,
+        ],
+    ),
+    _chat("chat_logprobs", "logprobs (chat)", logprobs=True, top_logprobs=2),
+    _chat("chat_n2", "n > 1 (chat)", n=2, temperature=1.0, seed=9),
+    _chat("chat_max_completion", "max_completion_tokens", max_tokens=None, max_completion_tokens=5),
+    _chat(
+        "json_schema",
+        "response_format json_schema",
+        max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+    ),
+    _chat("json_object", "response_format json_object", response_format={"type": "json_object"}),
+    _chat(
+        "named_tool",
+        "tools, named tool_choice",
+        max_tokens=30,
+        tools=[TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ),
+    _chat(
+        "continue",
+        "continue_final_message",
+        messages=[*MESSAGES, {"role": "assistant", "content": "The villages"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    ),
+    _chat("template_kwargs", "chat_template_kwargs", chat_template_kwargs={"unused": True}),
+    _chat("chat_stream", "stream (chat)", stream=True),
+    _c("unknown_model", "unknown model: 404", model="no-such-model"),
+    _c("too_many_logprobs", "logprobs above the limit: 400", logprobs=50),
+    _c("bad_type", "a wrong type: 400", max_tokens="twelve"),
+    ("tokenize", "/tokenize", "POST", "/tokenize", {"model": MODEL, "prompt": PROMPT}),
+    (
+        "tokenize_chat",
+        "/tokenize (chat)",
+        "POST",
+        "/tokenize",
+        {"model": MODEL, "messages": MESSAGES},
+    ),
+    ("detokenize", "/detokenize", "POST", "/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+    ("models", "/v1/models", "GET", "/v1/models", None),
+    ("version", "/version", "GET", "/version", None),
+]
+
+DROPPED = frozenset({"id", "created", "system_fingerprint"})
+
+
+def normalized(value: Any) -> Any:
+    """An answer without ids and timestamps, floats to 2 decimals (log-probabilities)."""
+    if isinstance(value, dict):
+        return {k: normalized(v) for k, v in value.items() if k not in DROPPED}
+    if isinstance(value, list):
+        return [normalized(v) for v in value]
+    if isinstance(value, float):
+        return round(value, 2)
+    return value
+
+
+def error_shape(status: int, body: Any) -> Any:
+    """Errors compare by status and type (messages carry request-specific details)."""
+    error = body.get("error", {}) if isinstance(body, dict) else {}
+    return {"status": status, "type": error.get("type")}
+
+
+def sse_joined(text: str) -> list[Any]:
+    """A stream's events (``data: ...`` lines) as JSON values, ``[DONE]`` kept as a string."""
+    import json
+
+    events: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
