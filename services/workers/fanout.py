@@ -89,7 +89,10 @@ class Answers:
 
     def take(self, engine_id: str, delta: EngineOutput) -> EngineOutput:
         """Record a delta of the answer ``engine_id`` (from ``delta_of``: ``finish_reason`` is
-        the answer's); return it as the request's: ``finish_reason`` only when it ends it."""
+        the answer's); return it as the request's: its id, ``finish_reason`` only when it
+        ends it."""
+        if delta.request_id != self.request_id:
+            delta = dataclasses.replace(delta, request_id=self.request_id)
         if delta.index == 0:
             if delta.num_cached_tokens is not None:
                 self.num_cached_tokens = delta.num_cached_tokens

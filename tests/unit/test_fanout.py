@@ -62,6 +62,7 @@ def test_later_answers_start_after_answer_0_s_first_output_and_the_last_end_ends
     assert running.finish_reason is None and running.index == 2
     last = a.take(f"{RID}.2", delta(2, [9], "length", num_cached_tokens=128))
     assert a.ended and (last.finish_reason, last.index, last.token_ids) == ("length", 2, [9])
+    assert last.request_id == running.request_id == RID  # the request's, not the engine's id
     # answer 0's cached tokens and transfer parameters (its timing) on the request's end
     assert (last.num_cached_tokens, last.kv_transfer_params) == (96, {"k": 2})
 
