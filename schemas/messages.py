@@ -44,7 +44,7 @@ PROTOCOL_HISTORY: Final = {
     " the OpenAI layer (n, penalties, min_p, logit_bias, logprobs, prompt_logprobs, bad_words,"
     " structured_outputs, ...: absent means vLLM's default) and optional ``outputs``"
     " (SequenceOutput per answer: logprobs, n > 1), ``prompt_logprobs`` and"
-    " ``num_cached_tokens`` on TokenChunk",
+    " ``num_cached_tokens`` and ``stop_reason`` on TokenChunk",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -304,6 +304,9 @@ class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
         None
     )
     num_cached_tokens: Count | None = None  # the last chunk: prompt tokens D did not compute
+    # the last chunk of a "stop": the stop string or token id that ended the answer (with
+    # ``outputs``: each SequenceOutput carries its own)
+    stop_reason: int | Annotated[str, Meta(max_length=256)] | None = None
 
 
 class Abort(msgspec.Struct, **_tag("Abort")):

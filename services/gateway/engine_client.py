@@ -71,13 +71,12 @@ def spec_of(params: SamplingParams) -> SamplingSpec:
         raise ValueError(f"sampling parameters out of kvpush's bounds: {exc}") from None
 
 
+def _position(candidates: list[TokenLogprob]) -> dict[int, Logprob]:
+    return {c.token_id: Logprob(c.logprob, c.rank, c.decoded) for c in candidates}
+
+
 def _logprobs(positions: list[list[TokenLogprob]] | None) -> list[dict[int, Logprob]] | None:
-    if positions is None:
-        return None
-    return [
-        {c.token_id: Logprob(c.logprob, c.rank, c.decoded) for c in candidates}
-        for candidates in positions
-    ]
+    return None if positions is None else [_position(p) for p in positions]
 
 
 class Outputs:
@@ -99,16 +98,13 @@ class Outputs:
                 token_ids=chunk.token_ids,
                 text=chunk.text,
                 finish_reason=reason,
-                stop_reason=getattr(chunk, "stop_reason", None),
+                stop_reason=chunk.stop_reason,
             )
         ]
 
     def of(self, chunk: TokenChunk) -> RequestOutput | None:
         if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = [
-                None if not p else _logprobs([p])[0]  # type: ignore[index]
-                for p in chunk.prompt_logprobs
-            ]
+            self.prompt_logprobs = [_position(p) if p else None for p in chunk.prompt_logprobs]
         finished = chunk.finish_reason is not None
         deltas = []
         for seq in self.sequences(chunk):

@@ -35,9 +35,10 @@ from kvpush.services.gateway import dashboard, openapi_doc
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.admission import Admission
 from kvpush.services.gateway.dashboard import RecentRequests
-from kvpush.services.gateway.flow import RequestFlow, json_response
+from kvpush.services.gateway.flow import RequestFlow
 from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvpush.services.gateway.observe import Observer
+from kvpush.services.gateway.openai_api import json_response
 from kvpush.services.gateway.openai_routes import OpenAIRoutes
 from kvpush.services.gateway.routing import Route, Router
 from kvpush.services.gateway.streaming import TokenStreams

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
+from aiohttp import web
 
 from kvpush.schemas.messages import MAX_PROMPT_TOKENS, TransferMode
 from kvpush.schemas.sampling import (
@@ -37,6 +38,7 @@ from kvpush.schemas.sampling import (
 )
 
 INT64: Final = 2**63
+_json = msgspec.json.Encoder()
 
 
 class Endpoint(str, enum.Enum):
@@ -68,6 +70,10 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
 def error_body(

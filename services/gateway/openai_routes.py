@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind
 
 from kvpush.schemas.messages import TransferMode
 from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.openai_api import json_response
 from kvpush.services.gateway.remote import CURRENT, RequestContext
 
 if TYPE_CHECKING:
@@ -35,10 +36,6 @@ if TYPE_CHECKING:
 
 _tracer = trace.get_tracer("kvpush.gateway")
 _json = msgspec.json.Encoder()
-
-
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
 def _dump(model: Any) -> bytes:

@@ -64,6 +64,10 @@ class RequestContext:
 
     span: Span
     mode: TransferMode | None = None  # the kvpush_mode extension
+    # when the request arrived (the loop's clock, and unix ns): its deadline and TTFT count
+    # from here, whatever parsing and tokenizing took
+    arrived: float = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().time())
+    arrived_ns: int = dataclasses.field(default_factory=time.time_ns)
     error: api.ApiError | None = None  # the first error an engine request raised
     sent_first: bool = False  # some answer's first chunk came
 
@@ -99,8 +103,7 @@ class RemoteGeneration:
     def __init__(self, gw: FlowHost, context: RequestContext, request_id: str) -> None:
         self.gw, self.context = gw, context
         self.loop = asyncio.get_running_loop()
-        self.arrived = self.loop.time()
-        self.arrived_ns = time.time_ns()
+        self.arrived, self.arrived_ns = context.arrived, context.arrived_ns
         self.request_id = bus_request_id(request_id)
         self.transfer_id = secrets.token_urlsafe(16)
         self.published_ns = self.first_byte_ns = self.last_chunk_ns = 0

@@ -50,7 +50,12 @@ from kvpush.schemas.messages import (
 )
 from kvpush.services.telemetry.breakdown import merge
 from kvpush.services.workers.config import WorkerConfig
-from kvpush.services.workers.handles import EngineOutput, RequestHandle, sequence_output
+from kvpush.services.workers.handles import (
+    MAX_STOP_STRING,
+    EngineOutput,
+    RequestHandle,
+    sequence_output,
+)
 from kvpush.services.workers.worker import InFlight, Worker, run_worker
 
 log = logging.getLogger(__name__)
@@ -98,7 +103,11 @@ def chunk_fields(out: EngineOutput, outputs: bool) -> dict[str, Any]:
     """The TokenChunk fields of an engine output's delta: ``outputs`` (when ``outputs``: none
     for a request's end that is no answer's, an abort), else ``token_ids``/``text``."""
     if not outputs:
-        return {"token_ids": out.token_ids, "text": out.text}
+        fields: dict[str, Any] = {"token_ids": out.token_ids, "text": out.text}
+        stop = out.stop_reason if out.sequence_finish_reason == "stop" else None
+        if stop is not None:
+            fields["stop_reason"] = stop[:MAX_STOP_STRING] if isinstance(stop, str) else stop
+        return fields
     delta = out.token_ids or out.text or out.sequence_finish_reason is not None
     return {"outputs": [sequence_output(out)] if delta else []}
 

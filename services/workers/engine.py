@@ -281,7 +281,7 @@ class EngineHost:
             log.warning("request %s rejected: %s", rid, exc)
             handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
             return
-        later = list(zip(ids[1:], params[1:], strict=True))
+        later = list(enumerate(params))[1:]
         answers = Answers(rid, handle, (token_ids, cache_salt), {rid: 0}, later)
         self._requests[rid] = answers
         self._answers[rid] = answers

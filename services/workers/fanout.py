@@ -70,7 +70,7 @@ def engine_params(
 @dataclasses.dataclass
 class Answers:
     """One request's answers: which are in the engine (``live``: engine request id -> index),
-    which wait for answer 0's first output (``later``: (engine id, params)), and what the
+    which wait for answer 0's first output (``later``: (index, params)), and what the
     request's last output carries (answer 0's cached-token count and transfer parameters, the
     first answer's error)."""
 
@@ -78,7 +78,7 @@ class Answers:
     handle: RequestHandle
     prompt: tuple[list[int], str | None]  # token ids and cache salt, for the later answers
     live: dict[str, int]
-    later: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
+    later: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None  # an answer ended "error": the request's end is "error" too
@@ -125,8 +125,8 @@ class Answers:
         engine refuses ends "error" at once. Returns the request's last output when that ended
         it (every other answer ended already), else None."""
         later, self.later = self.later, []
-        for engine_id, params in later:
-            index = int(engine_id.rsplit(".", 1)[1])
+        for index, params in later:
+            engine_id = child_id(self.request_id, index)
             try:
                 add(engine_id, params)
             except Exception as exc:

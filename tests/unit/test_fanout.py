@@ -29,7 +29,7 @@ RID = "tid-abcdefgh"
 
 
 def answers(n: int) -> Answers:
-    later = [(child_id(RID, i), f"params-{i}") for i in range(1, n)]
+    later = [(i, f"params-{i}") for i in range(1, n)]
     return Answers(RID, RequestHandle(RID), ([1, 2, 3], None), {RID: 0}, later)
 
 
