@@ -1,6 +1,7 @@
 """The parity suite's requests: what a client of ``vllm serve`` sends, by feature.
 
-Each case is (name, feature, method, path, body); the suite sends it to ``vllm serve`` and to a
+Each case is (name, feature, method, path, body) (``CASES``, and ``stop_cases`` made from the
+greedy answers so that they do stop); the suite sends it to ``vllm serve`` and to a
 kvpush stack whose gateway runs ``--frontend vllm`` (push and pull) and compares the answers
 (``normalized``). ``docs/api.md``'s parity table is generated from these cases and their
 outcomes (``tests/e2e/test_parity.py``).
@@ -65,9 +66,7 @@ CASES: list[Case] = [
     _c("echo_logprobs", "echo with logprobs (prompt logprobs)", echo=True, logprobs=2),
     _c("n3_seeded", "n > 1", n=3, temperature=1.0, seed=5),
     _c("batch", "batch prompts", prompt=[PROMPT, PROMPT[:120]]),
-    _c("stop", "stop strings", stop=["e"], max_tokens=30),
-    _c("stop_included", "include_stop_str_in_output", stop=["e"], include_stop_str_in_output=True),
-    _c("stop_token_ids", "stop_token_ids", stop_token_ids=[82, 85], max_tokens=30),
+    _c("token_ids", "return_token_ids", return_token_ids=True),
     _c("min_tokens", "min_tokens, ignore_eos", min_tokens=8, ignore_eos=True),
     _c("default_max", "max_tokens default (16)", max_tokens=None),
     _c("clamped", "max_tokens beyond the context", max_tokens=100_000),
@@ -128,6 +127,27 @@ CASES: list[Case] = [
     ("models", "/v1/models", "GET", "/v1/models", None),
     ("version", "/version", "GET", "/version", None),
 ]
+
+# cases whose answers must end "stop" (a case that never met its stop proves nothing)
+STOPPING = ("stop", "stop_included", "stop_token_ids", "chat_stop")
+
+
+def stop_cases(text: str, token_ids: list[int], chat_text: str) -> list[Case]:
+    """Stop strings and tokens taken from the greedy answers (``text``, its ``token_ids``; the
+    chat answer ``chat_text``), so that each case does stop where vLLM stops."""
+    word, chat_word = text[3:5], chat_text[3:5]
+    return [
+        _c("stop", "stop strings", stop=[word, "never-there"]),
+        _c(
+            "stop_included",
+            "include_stop_str_in_output",
+            stop=[word],
+            include_stop_str_in_output=True,
+        ),
+        _c("stop_token_ids", "stop_token_ids", stop_token_ids=[token_ids[4]]),
+        _chat("chat_stop", "stop strings (chat)", stop=[chat_word]),
+    ]
+
 
 DROPPED = frozenset({"id", "created", "system_fingerprint"})
 

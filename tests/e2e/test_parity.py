@@ -30,7 +30,15 @@ import pytest
 
 from kvpush.services.bench.serve.vllm_systems import SITE_DIR
 from tests.e2e.conftest import GatewayFactory, UpStack, free_port
-from tests.e2e.parity_cases import CASES, error_shape, normalized, sse_joined
+from tests.e2e.parity_cases import (
+    CASES,
+    STOPPING,
+    Case,
+    error_shape,
+    normalized,
+    sse_joined,
+    stop_cases,
+)
 
 START_TIMEOUT_S = 300.0
 TRANSFER_MODES = ("push", "pull")
@@ -110,8 +118,18 @@ async def test_every_case_answers_as_vllm_serve_in_push_and_pull(
     outcomes: list[dict[str, Any]] = []
     mismatches: list[str] = []
     async with aiohttp.ClientSession() as http:
-        for name, feature, method, path, body in CASES:
+        greedy = await _call(http, vllm_serve, *CASES[0][2:], None)
+        token_ids = (await _call(http, vllm_serve, *_case("token_ids")[2:], None))["choices"]
+        chat = await _call(http, vllm_serve, *_case("chat")[2:], None)
+        cases = CASES + stop_cases(
+            greedy["choices"][0]["text"],
+            token_ids[0]["token_ids"],
+            chat["choices"][0]["message"]["content"],
+        )
+        for name, feature, method, path, body in cases:
             expected = await _call(http, vllm_serve, method, path, body, None)
+            if name in STOPPING:
+                assert expected["choices"][0]["finish_reason"] == "stop", (name, expected)
             row = {"case": name, "feature": feature, "path": path, "vllm": _summary(expected)}
             for mode in TRANSFER_MODES:
                 seen = await _kv_rows(http, gateway.url)
@@ -129,8 +147,12 @@ async def test_every_case_answers_as_vllm_serve_in_push_and_pull(
             outcomes.append(row)
     if out := os.environ.get("KVPUSH_PARITY_OUT"):
         Path(out).write_text(json.dumps({"cases": outcomes}, indent=1) + "\n")
-    assert len(CASES) >= 30
+    assert len(cases) >= 30
     assert not mismatches, "\n".join(mismatches)
+
+
+def _case(name: str) -> Case:
+    return next(case for case in CASES if case[0] == name)
 
 
 def _summary(answer: Any) -> str:
