@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,12 @@ from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
 
 PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def say(message: str) -> None:
@@ -66,6 +73,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_s: float | None = None
+    metrics_url: str = ""  # a worker's vllm:* engine metrics
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -164,8 +172,12 @@ class Stack:
             ):
                 if limit:
                     argv += [flag, str(limit)]
+            metrics_port = free_port()  # vLLM's vllm:* engine metrics of this worker
+            argv += ["--metrics-port", str(metrics_port)]
             log_path = Path(cfg.log_dir) / f"{name}.log"
-            self.workers.append(Child(name, argv, log_path, mine, gpu))
+            child = Child(name, argv, log_path, mine, gpu)
+            child.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            self.workers.append(child)
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
         options += ["--first-token", cfg.first_token.value, "--frontend", cfg.frontend]
         if cfg.local_threshold is not None:
@@ -263,6 +275,9 @@ class Stack:
             f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{body}'\n"
             f"TTFT waterfalls of recent requests: {base}/dashboard   metrics: {base}/metrics\n"
+            + "engine metrics (vllm:*): "
+            + ", ".join(f"{w.name} {w.metrics_url}" for w in self.workers)
+            + "\n"
             + (
                 f"Spans go to {cfg.trace_file}: `kvpush ttft {cfg.trace_file} --png w.png`\n"
                 if cfg.trace_file

@@ -68,6 +68,7 @@ class WorkerConfig:
     advertise_host: str | None = None
     fault_layer_delay_ms: float = 0.0  # fault injection (tests, soak): a slow prefill
     log_level: str = "INFO"
+    metrics_port: int | None = None  # vLLM's vllm:* engine metrics on /metrics (0: any port)
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
 
     def engine_config(self) -> EngineConfig:
@@ -99,6 +100,7 @@ class WorkerConfig:
             dtype=dtype,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=min(self.max_num_seqs, self.max_inflight),
+            log_stats=self.metrics_port is not None,
             cpu_cores=self.cpu_cores,
             tensor_parallel_size=self.tensor_parallel_size,
             executor=self.executor,
@@ -219,6 +221,14 @@ SETTINGS: tuple[Setting, ...] = (
         ("--max-num-seqs",),
         int,
         "requests the engine batches in one step (vLLM's max_num_seqs; default 64)",
+    ),
+    Setting(
+        "metrics_port",
+        ("--metrics-port",),
+        int,
+        "serve vLLM's engine metrics (vllm:* series) on http://--side-channel-host:PORT/metrics"
+        " (default: off, the engine records no stats; 0: any free port, logged at start)",
+        metavar="PORT",
     ),
     Setting(
         "max_model_len",

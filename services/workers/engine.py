@@ -106,7 +106,8 @@ class EngineHost:
         # These EngineConfig fields have the names of EngineArgs fields.
         names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
         kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
-        kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg, disable_log_stats=True)
+        kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg)
+        kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics (workers.metrics)
         # kvpush drives the engine one synchronous step at a time and sleeps after a step that
         # scheduled nothing; vLLM's async scheduling (on by default on CUDA) queues batches and
         # reports no step as executed, so every step looked idle (a pushed request's first

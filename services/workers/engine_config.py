@@ -31,6 +31,7 @@ class EngineConfig:
     dtype: str = "float32"
     enforce_eager: bool = True
     max_num_seqs: int = 64
+    log_stats: bool = False  # vLLM's engine stats (the vllm:* Prometheus series) recorded
     cpu_cores: list[int] | None = None
     tensor_parallel_size: int = 1
     executor: str = ""  # "uni" (model in this process) or "mp" (a process per rank); "": auto

@@ -58,6 +58,7 @@ from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.engine import EngineHost
 from kvpush.services.workers.handles import RequestHandle
+from kvpush.services.workers.metrics import EngineMetricsServer
 from kvpush.services.workers.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Worker:
         self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
+        self._metrics: EngineMetricsServer | None = None  # --metrics-port
         self._inflight: dict[str, InFlight] = {}
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
@@ -138,6 +140,9 @@ class Worker:
         log.info(
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
+        if cfg.metrics_port is not None:
+            self._metrics = EngineMetricsServer(cfg.side_channel_host, cfg.metrics_port)
+            log.info("engine metrics (vllm:*) at %s", self._metrics.url)
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
         self.side_channels = [info.side_channel for info in self.host.link.ranks]
         self.side_channel = self.side_channels[0] if self.side_channels else ""
@@ -202,6 +207,8 @@ class Worker:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._registry.delete(self.role, self.worker_id), 5.0)
         await asyncio.to_thread(self.host.stop)
+        if self._metrics is not None:
+            self._metrics.stop()
         if self._bus is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._bus.drain(), 5.0)

@@ -44,7 +44,8 @@ def check_workloads(objects: list[dict[str, Any]]) -> list[str]:
 
 def check_selectors(objects: list[dict[str, Any]]) -> list[str]:
     """PDBs select exactly one workload's pods; Services select pods that have the target
-    port; ServiceMonitors select a Service that has the endpoint's port."""
+    port; ServiceMonitors select a Service that has the endpoint's port, PodMonitors pods that
+    have it."""
     problems = []
     pods = {made_name(o): o["spec"]["template"] for o in workloads(objects)}
     for pdb in of_kind(objects, "PodDisruptionBudget"):
@@ -76,6 +77,22 @@ def check_selectors(objects: list[dict[str, Any]]) -> list[str]:
                 endpoint["port"] in {p["name"] for p in s["spec"]["ports"]} for s in matched
             ):
                 problems.append(f"ServiceMonitor {made_name(monitor)}: no port {endpoint['port']}")
+    for monitor in of_kind(objects, "PodMonitor"):
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matched = [t for t in pods.values() if selects(selector, t["metadata"]["labels"])]
+        if not matched:
+            problems.append(f"PodMonitor {made_name(monitor)} selects no pods")
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            for template in matched:
+                names = {
+                    p.get("name")
+                    for c in template["spec"]["containers"]
+                    for p in c.get("ports", [])
+                }
+                if endpoint["port"] not in names:
+                    problems.append(
+                        f"PodMonitor {made_name(monitor)}: no pod port {endpoint['port']}"
+                    )
     return problems
 
 

@@ -1,9 +1,11 @@
 """Schema validation of rendered objects: the Kubernetes OpenAPI schemas that
 kubernetes-validate ships (offline, strict: unknown fields fail) for the oldest and the newest
-Kubernetes version we claim; ServiceMonitors (a CRD) against the subset of their schema below."""
+Kubernetes version we claim; ServiceMonitors and PodMonitors (CRDs) against the subset of their
+schemas below."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Final
 
 import jsonschema
@@ -11,9 +13,10 @@ import kubernetes_validate
 
 from tests.deploy_k8s.layout import K8S_VERSIONS
 
-# The part of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) the
-# manifests use; unknown fields fail, as in the strict Kubernetes schemas.
-SERVICE_MONITOR_SCHEMA: Final = {
+# The part of the Prometheus Operator's ServiceMonitor and PodMonitor CRDs
+# (monitoring.coreos.com/v1) the manifests use; unknown fields fail, as in the strict Kubernetes
+# schemas. The two differ in their kind and the name of the endpoint list.
+SERVICE_MONITOR_SCHEMA: Final[dict[str, Any]] = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
     "additionalProperties": False,
@@ -66,10 +69,25 @@ SERVICE_MONITOR_SCHEMA: Final = {
 }
 
 
+def _pod_monitor_schema() -> dict[str, Any]:
+    schema = copy.deepcopy(SERVICE_MONITOR_SCHEMA)
+    schema["properties"]["kind"] = {"const": "PodMonitor"}
+    spec = schema["properties"]["spec"]
+    spec["required"] = ["selector", "podMetricsEndpoints"]
+    spec["properties"]["podMetricsEndpoints"] = spec["properties"].pop("endpoints")
+    return schema
+
+
+MONITOR_SCHEMAS: Final = {
+    "ServiceMonitor": SERVICE_MONITOR_SCHEMA,
+    "PodMonitor": _pod_monitor_schema(),
+}
+
+
 def schema_errors(obj: dict[str, Any]) -> list[str]:
     where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
-    if obj.get("kind") == "ServiceMonitor":
-        validator = jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA)
+    if obj.get("kind") in MONITOR_SCHEMAS:
+        validator = jsonschema.Draft202012Validator(MONITOR_SCHEMAS[obj["kind"]])
         return [f"{where}: {e.json_path}: {e.message}" for e in validator.iter_errors(obj)]
     errors = []
     for version in K8S_VERSIONS:

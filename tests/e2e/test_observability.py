@@ -280,3 +280,37 @@ async def test_metrics_ttft_report_and_dashboard_cover_the_requests_made(
     kept = browser.output_dir() / "dashboard-e2e.png"
     shutil.copyfile(shot, kept)
     print(f"dashboard screenshot: {kept}")
+
+
+def total(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (any labels) in the Prometheus text ``text``."""
+    found = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for value in found)
+
+
+async def test_each_worker_serves_vllm_s_engine_metrics(
+    up_stack: UpStack, rng: random.Random
+) -> None:
+    """vLLM's ``vllm:*`` series of each engine reach Prometheus from the worker's own
+    ``/metrics`` (``--metrics-port``; ``kvpush up`` gives each worker one and prints it)."""
+    urls = dict(
+        re.findall(
+            r"(\S+) (http://\S+/metrics)", up_stack.output().split("(vllm:*): ")[1].splitlines()[0]
+        )
+    )
+    assert set(urls) == {PREFILL_ID, DECODE_ID}, urls
+
+    async def scrape() -> dict[str, str]:
+        async with aiohttp.ClientSession() as session:
+            return {w: await (await session.get(url)).text() for w, url in urls.items()}
+
+    before = await scrape()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            await stream_completion(session, up_stack.url, prompt(rng))
+    after = await scrape()
+    for worker in (PREFILL_ID, DECODE_ID):
+        done = total(after[worker], "vllm:request_success_total")
+        assert done >= total(before[worker], "vllm:request_success_total") + 2, worker
+        assert total(after[worker], "vllm:prompt_tokens_total") > 0, worker
+        assert "vllm:kv_cache_usage_perc" in after[worker], worker
