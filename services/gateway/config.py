@@ -29,7 +29,9 @@ SETTINGS: tuple[Setting, ...] = (
         "served_model_name",
         ("--served-model-name",),
         str,
-        "model name clients send (default: the stamp's name, else the folder's name)",
+        "model name clients send, or several as a comma list (the vLLM frontend answers to"
+        " each; the first is the workers' --served-model-name); default: the stamp's name,"
+        " else the folder's name",
         metavar="NAME",
     ),
     Setting("max_model_len", ("--max-model-len",), int, "context length (default: the model's)"),
@@ -149,6 +151,16 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds in-flight requests get on SIGTERM (30)",
     ),
     Setting(
+        "allowed_origins",
+        ("--allowed-origin",),
+        str,
+        "a browser origin allowed to call the gateway (CORS), e.g. https://app.example.com, or *"
+        " (repeatable; env: comma list; default: none, no CORS headers)",
+        "KVPUSH_ALLOWED_ORIGINS",
+        metavar="ORIGIN",
+        repeat=True,
+    ),
+    Setting(
         "frontend",
         ("--frontend",),
         str,
@@ -202,6 +214,7 @@ class GatewayConfig:
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails
     shutdown_grace_s: float = 30.0
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
     frontend: str = "kvpush"  # or "vllm": vLLM's serving layer answers the OpenAI routes
     vllm_args: tuple[str, ...] = ()  # `vllm serve` flags for the serving layer (frontend)
 
@@ -227,7 +240,7 @@ class GatewayConfig:
         values = settings.read(SETTINGS, args, os.environ if environ is None else environ)
         if "model" not in values:
             raise ConfigError("--model DIR (or KVPUSH_MODEL) is required")
-        for name in ("api_keys", "vllm_args"):
+        for name in ("api_keys", "vllm_args", "allowed_origins"):
             if name in values:
                 values[name] = tuple(values[name])
         try:

@@ -41,14 +41,6 @@ class Frontend:
     tokenization: Any = None
     models: Any = None
 
-    @property
-    def model_config(self) -> Any:
-        return self.vllm_config.model_config
-
-    @property
-    def served_names(self) -> list[str]:
-        return list(self.model_config.served_model_name_list())
-
     async def init(self, engine_client: Any) -> None:
         """vLLM's ``init_app_state`` with ``engine_client``: the version's own serving objects."""
         from starlette.datastructures import State

@@ -31,7 +31,7 @@ from opentelemetry.trace import SpanKind
 from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
-from kvpush.services.gateway import dashboard, openapi_doc
+from kvpush.services.gateway import cors, dashboard, openapi_doc
 from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.admission import Admission
 from kvpush.services.gateway.dashboard import RecentRequests
@@ -108,6 +108,8 @@ class GatewayApi:
         app.router.add_get("/openapi.json", openapi_doc.handler(self.model, self.config))
         dashboard.add_routes(app, self.recent, self.dashboard_counters)
         app.middlewares.append(self.middleware)
+        if self.config.allowed_origins:
+            cors.install(app, self.config.allowed_origins)
 
     # ---- cross-cutting: auth, OpenAI error bodies, request counts ---------------------------
     @web.middleware

@@ -2,8 +2,9 @@
 
 ``load_model`` reads a Hugging Face model folder (``AutoTokenizer``, ``config.json``) and the
 optional ``kvpush-model.json`` stamp of models built by ``kvpush model``. The served name is
-``--served-model-name``, else the stamp's recipe name (``kvpush-tiny``), else the folder's name;
-the context length is ``--max-model-len``, else the stamp's ``max_context``, else
+``--served-model-name`` (the first of a comma list: the name the workers serve; the vLLM
+frontend answers to every one of them), else the stamp's recipe name (``kvpush-tiny``), else the
+folder's name; the context length is ``--max-model-len``, else the stamp's ``max_context``, else
 ``config.json``'s ``max_position_embeddings``, else the tokenizer's ``model_max_length``.
 
 Threading model: ``load_model`` blocks (imports transformers, reads files); the gateway calls it
@@ -47,7 +48,8 @@ def load_model(config: GatewayConfig) -> ModelInfo:
         hf_config = json.loads((Path(config.model) / "config.json").read_text())
     except (OSError, ValueError):
         hf_config = {}
-    name = config.served_model_name or recipe.get("name") or Path(config.model).resolve().name
+    given = (config.served_model_name or "").split(",")[0].strip()  # the first of several
+    name = given or recipe.get("name") or Path(config.model).resolve().name
     limit = getattr(tokenizer, "model_max_length", None)
     max_len = (
         config.max_model_len

@@ -141,9 +141,48 @@ async def outcomes(url: str, ids: list[str]) -> dict[str, str]:
         while True:
             async with http.get(f"{url}/dashboard/data") as resp:
                 rows = {r["request_id"]: r for r in (await resp.json())["requests"]}
-            if all(rid in rows for rid in ids) or time.monotonic() > deadline:
-                return {rid: rows.get(rid, {}).get("kv", "missing") for rid in ids}
+            # the vLLM frontend's engine request of prompt i is "<response id>-<i>"
+            found = {rid: rows.get(rid) or rows.get(f"{rid}-0") for rid in ids}
+            if all(found.values()) or time.monotonic() > deadline:
+                return {rid: (row or {}).get("kv", "missing") for rid, row in found.items()}
             await asyncio.sleep(0.1)
+
+
+FEATURES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("logprobs", "/v1/completions", {"prompt": "Hello there", "max_tokens": 8, "logprobs": 2}),
+    ("n2_seeded", "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "n": 2, "seed": 3}),
+    ("echo", "/v1/completions", {"prompt": "Hi there", "max_tokens": 4, "echo": True}),
+    (
+        "json_schema",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a name"}],
+            "max_tokens": 16,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "object"}},
+            },
+        },
+    ),
+    ("tokenize", "/tokenize", {"prompt": "Hello there"}),
+)
+
+
+async def features(url: str, model: str) -> dict[str, Any]:
+    """vLLM's API through the gateway's vLLM frontend (this vLLM's serving layer): the status
+    of each request, push and pull."""
+    import aiohttp
+
+    statuses: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/version") as resp:
+            statuses["version"] = [resp.status, (await resp.json()).get("version")]
+        for name, path, body in FEATURES:
+            for mode in ("push", "pull"):
+                payload = {"model": model, "temperature": 0.0, **body, "kvpush_mode": mode}
+                async with http.post(f"{url}{path}", json=payload) as resp:
+                    statuses[f"{name}/{mode}"] = [resp.status, (await resp.text())[:300]]
+    return statuses
 
 
 async def exercise(url: str, model: str, repeats: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -164,8 +203,11 @@ async def exercise(url: str, model: str, repeats: int, max_tokens: int) -> list[
     return rows
 
 
-def start_up(out: Path, model_dir: Path, port: int, mode: str) -> subprocess.Popen[bytes]:
+def start_up(
+    out: Path, model_dir: Path, port: int, mode: str, frontend: str = "kvpush"
+) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
+    argv += ["--frontend", frontend]
     argv += ["--model", str(model_dir), "--device", "cuda", "--load-format", "dummy"]
     argv += ["--mode", mode, "--log-dir", str(out / "logs")]
     argv += ["--trace-file", str(out / "logs" / "trace.jsonl")]
@@ -202,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8411)
     parser.add_argument("--start-timeout-s", type=float, default=300.0)
+    parser.add_argument("--frontend", default="kvpush", choices=("kvpush", "vllm"))
     parser.add_argument("--report", metavar="JSON", help="render a committed run instead")
     parser.add_argument("--doc", metavar="MD", help="with --report: the doc to write")
     parser.add_argument("--check", action="store_true", help="with --doc: only compare")
@@ -226,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer not in the bundle
     model_dir = models.build_model(models.LLAMA_8B, Path("/tmp/kvpush-llama-8b"))
     started = time.monotonic()
-    proc = start_up(out, model_dir, args.port, "push")
+    proc = start_up(out, model_dir, args.port, "push", args.frontend)
     result: dict[str, Any] = {"model": models.LLAMA_8B.name, "lengths": list(LENGTHS)}
+    result["frontend"] = args.frontend
     result["meta"] = {
         "stamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": os.environ.get("KVPUSH_MACHINE", "a CUDA host"),
@@ -239,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"up in {result['start_s']} s at {url}", flush=True)
         rows = asyncio.run(exercise(url, models.LLAMA_8B.name, args.repeats, args.max_tokens))
         result["rows"] = rows
+        if args.frontend == "vllm":
+            result["features"] = asyncio.run(features(url, models.LLAMA_8B.name))
+            print(json.dumps(result["features"])[:2000], flush=True)
     except Exception as exc:  # keep what we have: the logs say the rest
         result["error"] = repr(exc)[:2000]
     finally:
@@ -246,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_serve.json").write_text(json.dumps(result, indent=1))
     moved = [a for r in result.get("rows", []) for a in r["answers"] if a["mode"] != "local"]
     ok = bool(moved) and all(a["same_as_local"] and a["kv"] == "received" for a in moved)
+    ok = ok and all(status == 200 for status, _ in result.get("features", {}).values())
     print(f"{'PASS' if ok else 'FAIL'}: {len(moved)} push/pull answers", flush=True)
     return 0 if ok else 1
 

@@ -8,7 +8,8 @@
 #
 # STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
 # under other poll intervals), stream (the streamed push with a worker's intervals), swap
-# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve), serve-a / serve-b / serve-tuned /
+# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve; check-vllm: through the gateway's vLLM
+# frontend, with its API features), serve-a / serve-b / serve-tuned /
 # serve-kvpush / serve-aggregated (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
@@ -52,6 +53,11 @@ swap)
 check)
     # kvpush up on the GPU: push and pull token-identical to local, KV received (gpu.md)
     timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check" --repeats 2 2>&1 | tail -12
+    ;;
+check-vllm)
+    # the same with the gateway's vLLM frontend (vLLM 0.26's serving layer) and its API features
+    timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check-vllm" --repeats 1 \
+        --frontend vllm 2>&1 | tail -14
     ;;
 serve-aggregated)
     # the one-engine floor again, in the same sitting as serve-kvpush

@@ -252,3 +252,33 @@ async def test_past_max_inflight_requests_queue_then_429_or_503_with_retry_after
     assert len(s.decode.events) == 3  # never published
     assert (await first)[0] == 504
     assert s.gateway.in_flight == 0 and short.gateway.in_flight == 0
+
+
+async def test_cors_only_for_allowed_origins_preflight_and_streams_included(
+    stack: StackFactory,
+) -> None:
+    s = await stack(allowed_origins=("https://app.example",), api_keys=("k",))
+    url, allowed = f"{s.gateway.url}/v1/completions", {"Origin": "https://app.example"}
+    key = {"Authorization": "Bearer k"}
+    preflight = {**allowed, "Access-Control-Request-Method": "POST"}
+    async with aiohttp.ClientSession() as http:
+        async with http.options(url, headers=preflight) as resp:  # no API key: a preflight
+            assert resp.status == 204
+            assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+            assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        for stream in (False, True):
+            body = {"prompt": "x", "stream": stream}
+            async with http.post(url, json=body, headers={**allowed, **key}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        other = {"Origin": "https://evil.example", **key}
+        async with http.post(url, json={"prompt": "x"}, headers=other) as resp:
+            assert resp.status == 200 and "Access-Control-Allow-Origin" not in resp.headers
+    plain = await stack(share=s)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{plain.gateway.url}/v1/completions", json={"prompt": "x"}, headers=allowed
+        ) as resp,
+    ):
+        assert "Access-Control-Allow-Origin" not in resp.headers  # off by default
