@@ -150,7 +150,11 @@ async def outcomes(url: str, ids: list[str]) -> dict[str, str]:
 
 FEATURES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("logprobs", "/v1/completions", {"prompt": "Hello there", "max_tokens": 8, "logprobs": 2}),
-    ("n2_seeded", "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "n": 2, "seed": 3}),
+    (
+        "n2_seeded",
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 8, "n": 2, "seed": 3, "temperature": 1.0},
+    ),
     ("echo", "/v1/completions", {"prompt": "Hi there", "max_tokens": 4, "echo": True}),
     (
         "json_schema",
