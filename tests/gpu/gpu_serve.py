@@ -46,6 +46,17 @@ REPORT_COMMAND = (
     "python3 -m tests.gpu.gpu_serve --report docs/benchmarks/gpu-serve-check.json"
     " --doc docs/benchmarks/gpu.md"
 )
+VLLM_REPORT_COMMAND = (
+    "python3 -m tests.gpu.gpu_serve --report docs/benchmarks/gpu-serve-check-vllm.json"
+    " --doc docs/benchmarks/gpu.md"
+)
+
+
+def section_of(result: dict[str, Any]) -> tuple[str, str]:
+    """The doc section (name, command) of a run: the vLLM frontend's has its own."""
+    if result.get("frontend", "kvpush") == "vllm":
+        return "gpu-serve-vllm", VLLM_REPORT_COMMAND
+    return "gpu-serve", REPORT_COMMAND
 
 
 def table(result: dict[str, Any]) -> str:
@@ -67,12 +78,21 @@ def table(result: dict[str, Any]) -> str:
             )
         )
     meta = result.get("meta", {})
+    frontend = " --frontend vllm" if result.get("frontend") == "vllm" else ""
     note = (
-        f"`kvpush up --device cuda --load-format dummy`, model {result['model']}, greedy, "
-        f"{len(result['rows'])} prompts x 3 modes; stack up in {result['start_s']} s; run "
+        f"`kvpush up --device cuda --load-format dummy{frontend}`, model {result['model']}, "
+        f"greedy, {len(result['rows'])} prompts x 3 modes; stack up in {result['start_s']} s; run "
         f"{meta.get('stamp', '?')} on {meta.get('machine', '?')} at {meta.get('revision', '?')}."
     )
-    return docgen.table(head, rows) + "\n\n" + note
+    body = docgen.table(head, rows) + "\n\n" + note
+    if "features" in result:  # the vLLM frontend's API, push and pull (HTTP statuses)
+        statuses = result["features"]
+        names = sorted({key.split("/")[0] for key in statuses if "/" in key})
+        rows = [(n, statuses[f"{n}/push"][0], statuses[f"{n}/pull"][0]) for n in names]
+        version = statuses["version"]
+        body += "\n\n" + docgen.table(("request", "push", "pull"), rows)
+        body += f"\n\nThe gateway's `/version`: {version[1]} (HTTP {version[0]})."
+    return body
 
 
 def skip_reason() -> str | None:
@@ -257,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         ensure_kvpush_importable()
         from kvpush.services.bench import docgen
 
-        body = table(json.loads(Path(args.report).read_text()))
-        return docgen.publish(body, args.doc, "gpu-serve", REPORT_COMMAND, args.check)
+        run = json.loads(Path(args.report).read_text())
+        name, command = section_of(run)
+        return docgen.publish(table(run), args.doc, name, command, args.check)
     if not args.out:
         parser.error("--out is required to run")
     reason = skip_reason()

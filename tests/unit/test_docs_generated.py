@@ -82,6 +82,18 @@ def test_gpu_md_serving_check_is_what_the_committed_run_generates() -> None:
     assert not docgen.update(doc, "gpu-serve", body, gpu_serve.REPORT_COMMAND, check=True)
 
 
+def test_gpu_md_vllm_frontend_check_is_what_the_committed_run_generates() -> None:
+    from tests.gpu import gpu_serve
+
+    run = json.loads((DOCS / "benchmarks" / "gpu-serve-check-vllm.json").read_text())
+    moved = [a for row in run["rows"] for a in row["answers"] if a["mode"] != "local"]
+    assert moved and all(a["same_as_local"] and a["kv"] == "received" for a in moved)
+    assert run["frontend"] == "vllm" and {s for s, _ in run["features"].values()} == {200}
+    name, command = gpu_serve.section_of(run)
+    doc = DOCS / "benchmarks" / "gpu.md"
+    assert not docgen.update(doc, name, gpu_serve.table(run), command, check=True)
+
+
 def test_gpu_md_swap_and_transport_sections_are_what_the_committed_runs_generate() -> None:
     from tests.gpu import gpu_swap
 
