@@ -1,0 +1,96 @@
+"""The gateway's vLLM frontend (``--frontend vllm``) against fake workers: what the parity suite
+cannot show because ``vllm serve`` has no P and D. A worker error before any token is a 502
+(not a 200 stream), after the first chunk an error event then ``[DONE]``; a deadline is a 504;
+a client that goes away mid-stream gets its request aborted on P and D; nothing stays in
+flight. The model folder is the tiny model's (vLLM's serving layer reads its config).
+
+Threading model: the test's event loop (gateway and fake workers on it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.connector import Bus
+from kvpush.schemas.messages import FinishReason, RequestEvent, TokenChunk
+from kvpush.services.natsd import EmbeddedNats
+from tests.integration.gateway_fakes import Stack, Stacks, chunk, sse_events, wait_until
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def vstack(bus: Bus, tiny_model: Path, nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    async with Stacks(bus, tiny_model, nats_server.url) as make:
+
+        async def vllm_stack(**overrides: Any) -> Stack:
+            return await make(frontend="vllm", local_threshold=0, **overrides)
+
+        yield vllm_stack
+
+
+def failing_after(text: str) -> Callable[[RequestEvent], list[TokenChunk]]:
+    def reply(event: RequestEvent) -> list[TokenChunk]:
+        head = [chunk(event, 0, text)] if text else []
+        return [*head, chunk(event, len(head), error="boom", finish_reason=FinishReason.ERROR)]
+
+    return reply
+
+
+async def test_worker_errors_are_502_before_any_token_and_an_error_event_after(
+    vstack: StackFactory,
+) -> None:
+    s = await vstack(reply=failing_after(""))
+    for stream in (False, True):
+        status, answer = await s.post("/v1/completions", {"prompt": "x", "stream": stream})
+        assert status == 502 and answer["error"]["message"] == "worker error: boom", answer
+    s.decode.reply = failing_after("partial")
+    status, text = await s.post("/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200
+    events = sse_events(text)
+    assert events[0]["choices"][0]["text"] == "partial"
+    assert "boom" in json.dumps(events[-1]["error"])
+    await wait_until(lambda: len(s.prefill.aborts) == 3)  # P may still be working: abort it
+    assert not s.decode.aborts and s.gateway.in_flight == 0
+
+
+async def test_a_deadline_is_504_and_aborts_p_and_d(vstack: StackFactory) -> None:
+    s = await vstack(reply=None, request_timeout_s=1.0)
+    status, answer = await s.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+    )
+    assert status == 504 and answer["error"]["code"] == "timeout", answer
+    await wait_until(lambda: bool(s.prefill.aborts and s.decode.aborts))
+    assert s.decode.aborts[0].reason == "deadline" and s.gateway.in_flight == 0
+
+
+async def test_a_client_gone_mid_stream_aborts_p_and_d(vstack: StackFactory) -> None:
+    s = await vstack()
+    s.decode.chunk_delay_s = 0.05
+    body = {"prompt": "x", "max_tokens": 200, "stream": True}
+    async with s.http.post(s.gateway.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen == 2:
+                break
+        resp.close()  # drop the connection mid-stream
+    transfer = s.decode.events[0].transfer_id
+    await wait_until(lambda: bool(s.prefill.aborts and s.decode.aborts), 3.0)
+    assert s.prefill.aborts[0].transfer_id == s.decode.aborts[0].transfer_id == transfer
+    await wait_until(lambda: s.gateway.in_flight == 0 and len(s.gateway.streams) == 0)
+
+
+async def test_a_whole_answer_joins_the_worker_s_chunks(vstack: StackFactory) -> None:
+    s = await vstack()
+    status, answer = await s.post("/v1/completions", {"prompt": "x", "max_tokens": 3})
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == " w0 w1 w2"
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 3
