@@ -130,3 +130,14 @@ def msgspec_builtins(value: object) -> object:
     import msgspec
 
     return msgspec.to_builtins(value)
+
+
+def test_api_md_parity_table_is_what_the_committed_run_generates() -> None:
+    from kvpush.services.bench import parity_report
+
+    run = json.loads((DOCS / "benchmarks" / "parity.json").read_text())
+    assert len(run["cases"]) >= 30
+    assert all(c["push"] == c["pull"] == "same" for c in run["cases"])
+    body = parity_report.body(run)
+    doc = DOCS / "api.md"
+    assert not docgen.update(doc, parity_report.NAME, body, parity_report.COMMAND, check=True)
