@@ -33,7 +33,21 @@ class Admission:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         """Hold one slot for the body of the ``async with``; ApiError 429/503 when refused."""
-        if self._slots.locked() and self.waiting >= self.max_queued:
+        if not self._slots.locked():
+            await self._slots.acquire()  # a free slot: taken at once, without suspending
+        else:
+            await self._wait_for_slot()
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+    async def _wait_for_slot(self) -> None:
+        """Queue for a slot (counted in ``waiting`` before suspending, so a burst sees every
+        request ahead of it); ApiError 429 past ``max_queued``, 503 after ``queue_timeout_s``."""
+        if self.waiting >= self.max_queued:
             raise ApiError(
                 429,
                 f"too many requests: {self.in_flight} in flight and {self.waiting} queued"
@@ -56,9 +70,3 @@ class Admission:
             ) from None
         finally:
             self.waiting -= 1
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self._slots.release()
