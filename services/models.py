@@ -350,10 +350,10 @@ def invisible_token_ids(tokenizer: Any) -> list[int]:
     return hidden
 
 
-def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def hf_configs(recipe: ModelRecipe, tokenizer: Any) -> tuple[Any, Any]:
+    """The recipe's ``LlamaConfig`` and ``GenerationConfig`` (what config.json and
+    generation_config.json hold)."""
+    from transformers import GenerationConfig, LlamaConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, END_OF_TURN)}
     config = LlamaConfig(
@@ -375,6 +375,15 @@ def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
     generation = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[END_OF_TURN]], pad_token_id=ids[PAD]
     )
+    return config, generation
+
+
+def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    config, generation = hf_configs(recipe, tokenizer)
     if not recipe.weights:  # a shape for load_format="dummy": bf16, nothing to initialise
         config.dtype = "bfloat16"
         config.save_pretrained(str(out))

@@ -40,7 +40,7 @@ class UpConfig:
     first_token: WorkerRole = WorkerRole.PREFILL
     max_inflight: int | None = None
     max_num_seqs: int | None = None
-    frontend: str = "kvpush"  # the gateway's: kvpush or vllm (vLLM's serving layer)
+    frontend: str = "vllm"  # the gateway's: kvpush or vllm (vLLM's serving layer)
     local_threshold: int | None = None
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")

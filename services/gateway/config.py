@@ -215,7 +215,7 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
-    frontend: str = "kvpush"  # or "vllm": vLLM's serving layer answers the OpenAI routes
+    frontend: str = "vllm"  # vLLM's serving layer answers the OpenAI routes; or "kvpush"
     vllm_args: tuple[str, ...] = ()  # `vllm serve` flags for the serving layer (frontend)
 
     def __post_init__(self) -> None:

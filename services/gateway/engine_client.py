@@ -171,7 +171,11 @@ class BusEngineClient(EngineClient):
         spec = spec_of(sampling_params)
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         outputs = Outputs(request_id, ids, final_only)
-        remote = RemoteGeneration(self.host, context, request_id)
+        first = context.response_id and request_id in (
+            context.response_id,
+            f"{context.response_id}-0",  # vLLM's engine request of a completion's prompt 0
+        )
+        remote = RemoteGeneration(self.host, context, context.response_id if first else request_id)
         try:
             await remote.start(ids, spec, stream=not final_only)
             while True:

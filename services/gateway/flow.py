@@ -1,4 +1,4 @@
-"""One generation request's flow under ``--frontend kvpush`` (kvpush's own parser), from body
+"""One generation request's flow under ``--frontend kvpush`` (kvpush's older parser), from body
 bytes to the last byte sent (``RequestFlow``); the bus part is ``remote.RemoteGeneration``'s.
 
 Check capacity (429, in ``GatewayApi``) -> read and parse the body (400/413) -> model (404) ->

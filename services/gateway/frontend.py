@@ -40,6 +40,7 @@ class Frontend:
     chat: Any = None
     tokenization: Any = None
     models: Any = None
+    openapi: dict[str, Any] | None = None  # vLLM's OpenAPI document of the routes it serves
 
     async def init(self, engine_client: Any) -> None:
         """vLLM's ``init_app_state`` with ``engine_client``: the version's own serving objects."""
@@ -56,6 +57,12 @@ class Frontend:
         self.chat = state.openai_serving_chat
         self.tokenization = state.serving_tokenization
         self.models = state.openai_serving_models
+        try:
+            from vllm.entrypoints.launchers.app import build_app
+        except ImportError:  # vLLM 0.26
+            from vllm.entrypoints.openai.api_server import build_app
+        # the document of vLLM's own server (FastAPI builds it from the protocol models)
+        self.openapi = build_app(self.args, ("generate",), self.vllm_config.model_config).openapi()
 
 
 def vllm_argv(config: GatewayConfig) -> list[str]:

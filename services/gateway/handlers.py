@@ -17,16 +17,17 @@ single ``kvpush-tokenize`` thread (HF fast tokenizers must not be used by two th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from kvpush.connector import Bus
 from kvpush.schemas import subjects
@@ -90,7 +91,7 @@ class GatewayApi:
 
     def attach(self, frontend: Frontend) -> None:
         """Serve the OpenAI routes with vLLM's serving objects of ``frontend``."""
-        self.routes = OpenAIRoutes(frontend, self.admission, self.metrics)
+        self.routes = OpenAIRoutes(frontend, self.admit)
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -105,7 +106,8 @@ class GatewayApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
-        app.router.add_get("/openapi.json", openapi_doc.handler(self.model, self.config))
+        vllm_doc = self.routes.frontend.openapi if self.routes is not None else None
+        app.router.add_get("/openapi.json", openapi_doc.handler(self.model, self.config, vllm_doc))
         dashboard.add_routes(app, self.recent, self.dashboard_counters)
         app.middlewares.append(self.middleware)
         if self.config.allowed_origins:
@@ -217,17 +219,24 @@ class GatewayApi:
         return await self._generate(request, api.Endpoint.CHAT)
 
     async def _generate(self, request: web.Request, endpoint: api.Endpoint) -> web.StreamResponse:
+        name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
+        async with self.admit(name) as span:
+            return await RequestFlow(self, request, endpoint, span).run()
+
+    @contextlib.asynccontextmanager
+    async def admit(self, operation: str) -> AsyncIterator[Span]:
+        """A generation request's way in: 503 while draining, a slot (queued; 429/503 past the
+        bounds), the in-flight gauge, and its ``gateway.request`` span for the body."""
         if self.draining:
             raise api.ApiError(503, "the gateway is shutting down", type_="service_unavailable")
         async with self.admission.slot():
             self.metrics.in_flight.inc()
             try:
-                name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
-                attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
+                attributes = {"gen_ai.operation.name": operation, "gen_ai.system": "kvpush"}
                 with _tracer.start_as_current_span(
                     "gateway.request", kind=SpanKind.SERVER, attributes=attributes
                 ) as span:
-                    return await RequestFlow(self, request, endpoint, span).run()
+                    yield span
             finally:
                 self.metrics.in_flight.dec()
 

@@ -17,12 +17,13 @@ Threading model: handlers on the gateway's event loop.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from kvpush.schemas.messages import TransferMode
 from kvpush.services.gateway import openai_api as api
@@ -30,9 +31,12 @@ from kvpush.services.gateway.openai_api import json_response
 from kvpush.services.gateway.remote import CURRENT, RequestContext
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.admission import Admission
+    from opentelemetry.trace import Span
+
     from kvpush.services.gateway.frontend import Frontend
-    from kvpush.services.gateway.metrics import GatewayMetrics
+
+# the gateway's admission of a generation request (``GatewayApi.admit``): its span in the body
+Admit = Callable[[str], AbstractAsyncContextManager["Span"]]
 
 _tracer = trace.get_tracer("kvpush.gateway")
 _json = msgspec.json.Encoder()
@@ -66,8 +70,8 @@ def _mode(data: dict[str, Any]) -> TransferMode | None:
 class OpenAIRoutes:
     """The routes of vLLM's OpenAI server, over ``frontend``'s serving objects."""
 
-    def __init__(self, frontend: Frontend, admission: Admission, metrics: GatewayMetrics) -> None:
-        self.frontend, self.admission, self.metrics = frontend, admission, metrics
+    def __init__(self, frontend: Frontend, admit: Admit) -> None:
+        self.frontend, self.admit = frontend, admit
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
@@ -94,8 +98,9 @@ class OpenAIRoutes:
 
     # ---- parsing --------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        body = await request.read()  # too large: aiohttp's 413, answered by the middleware
         try:
-            data = msgspec.json.decode(await request.read())
+            data = msgspec.json.decode(body)
         except Exception:  # msgspec.DecodeError, RecursionError, ...: all mean bad JSON
             raise api.ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
@@ -145,22 +150,17 @@ class OpenAIRoutes:
         data = await self._body(request)
         mode = _mode(data)
         parsed = await self._validated(self.models_of[kind], data, request)
-        async with self.admission.slot():
-            self.metrics.in_flight.inc()
+        # the answer's id as vLLM's serving layer makes it (a client's X-Request-Id, else the
+        # request model's random request_id)
+        base = request.headers.get("X-Request-Id") or parsed.request_id
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
+        async with self.admit("chat" if kind == "chat" else "text_completion") as span:
+            context = RequestContext(span=span, mode=mode, response_id=response_id)
+            token = CURRENT.set(context)
             try:
-                name = "chat" if kind == "chat" else "text_completion"
-                attributes = {"gen_ai.operation.name": name, "gen_ai.system": "kvpush"}
-                with _tracer.start_as_current_span(
-                    "gateway.request", kind=SpanKind.SERVER, attributes=attributes
-                ) as span:
-                    context = RequestContext(span=span, mode=mode)
-                    token = CURRENT.set(context)
-                    try:
-                        return await self._serve(request, kind, parsed, context)
-                    finally:
-                        CURRENT.reset(token)
+                return await self._serve(request, kind, parsed, context)
             finally:
-                self.metrics.in_flight.dec()
+                CURRENT.reset(token)
 
     async def _serve(
         self, request: web.Request, kind: str, parsed: Any, context: RequestContext
@@ -176,7 +176,10 @@ class OpenAIRoutes:
         except Exception as exc:  # vLLM's errors (VLLMValidationError, ValueError, ...)
             if context.error is not None:
                 raise context.error from None
-            raise self._error_of(exc) from None  # the status vLLM's server gives it
+            error = self._error_of(exc)  # the status vLLM's server gives it
+            if error.status >= 500:
+                raise  # not the client's: the middleware logs it, answers a bare 500
+            raise error from None
         if context.error is not None and not context.sent_first:
             if hasattr(result, "aclose"):
                 await result.aclose()

@@ -210,13 +210,45 @@ def build_document(
     }
 
 
+# the routes vLLM's serving layer answers with ``--frontend vllm`` (openai_routes.py)
+VLLM_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    }
+)
+
+
+def with_vllm(document: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
+    """``document`` whose OpenAI routes are described by vLLM's own document (the vLLM
+    frontend answers them: its request models and shapes); kvpush's other routes stay."""
+    paths = {p: item for p, item in document["paths"].items() if p not in VLLM_PATHS}
+    security = document["paths"]["/v1/models"]["get"].get("security")  # API keys on /v1/*
+    for path, item in vllm["paths"].items():
+        if path in VLLM_PATHS:
+            paths[path] = {
+                method: {**op, "security": security} if security and path.startswith("/v1/") else op
+                for method, op in item.items()
+            }
+    ours = document["components"]["schemas"]
+    theirs = vllm.get("components", {}).get("schemas", {})
+    components = {**document["components"], "schemas": {**ours, **theirs}}
+    return {**document, "paths": dict(sorted(paths.items())), "components": components}
+
+
 def handler(
-    model: ModelInfo, config: GatewayConfig
+    model: ModelInfo, config: GatewayConfig, vllm: dict[str, Any] | None = None
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """The ``GET /openapi.json`` handler of one gateway (document built once, here)."""
-    body = msgspec.json.encode(
-        build_document(model, secured=bool(config.api_keys), max_body_bytes=config.max_body_bytes)
+    """The ``GET /openapi.json`` handler of one gateway (document built once, here; with
+    ``vllm``, the vLLM frontend's document, its OpenAI routes are vLLM's)."""
+    document = build_document(
+        model, secured=bool(config.api_keys), max_body_bytes=config.max_body_bytes
     )
+    body = msgspec.json.encode(document if vllm is None else with_vllm(document, vllm))
 
     async def openapi_json(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type="application/json")

@@ -70,6 +70,9 @@ class RequestContext:
     arrived_ns: int = dataclasses.field(default_factory=time.time_ns)
     error: api.ApiError | None = None  # the first error an engine request raised
     sent_first: bool = False  # some answer's first chunk came
+    # the answer's id (``cmpl-<id>``, ``chatcmpl-<id>``): its first engine request goes on the
+    # bus (and in traces and the dashboard) under it, later prompts of a batch as vLLM names them
+    response_id: str = ""
 
 
 CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(

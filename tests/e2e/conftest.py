@@ -37,6 +37,12 @@ START_TIMEOUT_S = 240.0
 PREFILL_ID, DECODE_ID = "prefill-0", "decode-0"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that stop (part of) the session's ``kvpush up`` run after every other test, in
+    their order (the others, in any file, need the whole stack)."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_up_stack") is not None)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

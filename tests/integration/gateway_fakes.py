@@ -154,11 +154,14 @@ class FakeWorker:
 
 
 def write_model_dir(out: Path) -> Path:
-    """The tiny model's tokenizer, stamp and config.json (no weights: gateways need none)."""
-    models._write_tokenizer(models._train_tokenizer(models.TINY), out)
+    """The tiny model's tokenizer, stamp, config.json and generation_config.json (no weights:
+    gateways, vLLM's serving layer included, read no weights)."""
+    tokenizer = models._train_tokenizer(models.TINY)
+    models._write_tokenizer(tokenizer, out)
     stamp = {"format": models.STAMP_FORMAT, "recipe": dataclasses.asdict(models.TINY)}
     (out / models.STAMP_FILE).write_text(json.dumps(stamp))
-    (out / "config.json").write_text(json.dumps({"vocab_size": 2048}))
+    for config in models.hf_configs(models.TINY, tokenizer):
+        config.save_pretrained(str(out))
     return out
 
 
@@ -224,7 +227,14 @@ class Stacks:
             workers += [FakeWorker(self.bus, WorkerRole.DECODE, f"{d}{n}", reply) for d in decode]
             for worker in workers:
                 await worker.start()
-        fields = {"request_timeout_s": 10.0, "worker_lease_s": 0.5, "max_body_bytes": 4096}
+        # kvpush's own parser (--frontend kvpush): these stacks test its shapes and its OpenAPI
+        # document; the vLLM frontend's are tests/integration/test_gateway_vllm.py's
+        fields = {
+            "request_timeout_s": 10.0,
+            "worker_lease_s": 0.5,
+            "max_body_bytes": 4096,
+            "frontend": "kvpush",
+        }
         config = GatewayConfig(
             model=str(self.model_dir), port=0, nats_url=self.nats_url, **{**fields, **overrides}
         )

@@ -94,3 +94,21 @@ async def test_a_whole_answer_joins_the_worker_s_chunks(vstack: StackFactory) ->
     assert answer["choices"][0]["text"] == " w0 w1 w2"
     assert answer["choices"][0]["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 3
+
+
+async def test_the_openapi_document_describes_vllm_s_routes_and_kvpush_s_own(
+    vstack: StackFactory,
+) -> None:
+    import schemathesis
+
+    s = await vstack(api_keys=("k",))
+    status, doc = await s.call("GET", "/openapi.json")
+    assert status == 200
+    schemathesis.openapi.from_dict(doc).validate()  # the OpenAPI 3.1 meta-schema
+    request = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
+    ref = request["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    fields = doc["components"]["schemas"][ref]["properties"]
+    assert {"n", "logprobs", "echo", "response_format", "structured_outputs"} <= set(fields)
+    assert {"/tokenize", "/detokenize", "/version", "/dashboard", "/ready"} <= set(doc["paths"])
+    assert doc["paths"]["/v1/completions"]["post"]["security"]  # API keys on /v1/*
+    assert "security" not in doc["paths"]["/tokenize"]["post"]
