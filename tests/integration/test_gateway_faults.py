@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvpush.schemas.messages import FinishReason
 from kvpush.services.gateway import add_arguments, serve
@@ -129,8 +130,11 @@ async def test_worker_errors_are_502_or_an_error_event_then_done(stack: StackFac
     assert not s.decode.aborts  # D ended the request itself
 
 
-async def test_client_disconnect_mid_stream_aborts_p_and_d(stack: StackFactory) -> None:
-    s = await stack(local_threshold=0)
+@pytest.mark.parametrize("frontend", ["kvpush", "vllm"])
+async def test_client_disconnect_mid_stream_aborts_p_and_d(
+    stack: StackFactory, frontend: str
+) -> None:
+    s = await stack(local_threshold=0, frontend=frontend)
     s.decode.chunk_delay_s = 0.05
     body = {"prompt": "x", "max_tokens": 200, "stream": True}
     async with s.http.post(s.gateway.url + "/v1/completions", json=body) as resp:
