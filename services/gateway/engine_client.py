@@ -53,8 +53,6 @@ def spec_of(params: SamplingParams) -> SamplingSpec:
         fields[name] = list(fields.get(name) or [])
     if params.logit_bias:
         fields["logit_bias"] = {int(k): float(v) for k, v in params.logit_bias.items()}
-    if params.seed is not None:
-        fields["seed"] = params.seed
     guide = params.structured_outputs
     if guide is not None:
         grammar = {

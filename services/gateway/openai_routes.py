@@ -2,8 +2,11 @@
 
 ``/v1/completions`` and ``/v1/chat/completions``: the body becomes vLLM's own request model
 (pydantic; a validation error is the 400 vLLM's server answers), the ``kvpush_mode`` extension
-is taken off it first, and vLLM's ``create_completion`` / ``create_chat_completion`` runs with
-a ``flow.RequestContext`` in the context (the engine client's ``generate`` reads it). Its
+is taken off it first, the request is admitted (``GatewayApi.admit``: 503 while draining, a
+queued slot, its ``gateway.request`` span), and vLLM's ``create_completion`` /
+``create_chat_completion`` runs with a ``remote.RequestContext`` in the context (the engine
+client's ``generate`` reads it; it names the answer's first engine request by the answer's
+id, as vLLM makes it from ``X-Request-Id`` or the request's ``request_id``). Its
 result is written as vLLM's server writes it: an ``ErrorResponse`` with its code, a response
 model as JSON, a stream as SSE. An engine request that failed before anything was sent (no
 worker 503, deadline 504, worker error 502) answers with its own status, not a 200 stream
@@ -23,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
-from opentelemetry import trace
 
 from kvpush.schemas.messages import TransferMode
 from kvpush.services.gateway import openai_api as api
@@ -37,9 +39,6 @@ if TYPE_CHECKING:
 
 # the gateway's admission of a generation request (``GatewayApi.admit``): its span in the body
 Admit = Callable[[str], AbstractAsyncContextManager["Span"]]
-
-_tracer = trace.get_tracer("kvpush.gateway")
-_json = msgspec.json.Encoder()
 
 
 def _dump(model: Any) -> bytes:
