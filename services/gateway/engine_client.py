@@ -17,6 +17,7 @@ Threading model: the gateway's event loop only.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,12 @@ from kvpush.schemas.sampling import (
     TokenLogprob,
 )
 from kvpush.services.gateway import openai_api as api
-from kvpush.services.gateway.remote import CURRENT, RemoteGeneration, RequestContext
+from kvpush.services.gateway.remote import (
+    CURRENT,
+    RemoteGeneration,
+    RequestContext,
+    bus_request_id,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -169,11 +175,7 @@ class BusEngineClient(EngineClient):
         spec = spec_of(sampling_params)
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         outputs = Outputs(request_id, ids, final_only)
-        first = context.response_id and request_id in (
-            context.response_id,
-            f"{context.response_id}-0",  # vLLM's engine request of a completion's prompt 0
-        )
-        remote = RemoteGeneration(self.host, context, context.response_id if first else request_id)
+        remote = RemoteGeneration(self.host, context, self._bus_id(context, request_id))
         try:
             await remote.start(ids, spec, stream=not final_only)
             while True:
@@ -185,6 +187,18 @@ class BusEngineClient(EngineClient):
                     return
         finally:
             remote.finish()
+
+    def _bus_id(self, context: RequestContext, request_id: str) -> str:
+        """The answer's id for its first engine request (vLLM's id of a completion's prompt 0
+        is ``<answer id>-0``); vLLM's id for the others; a suffix when a client reuses an
+        X-Request-Id that is still streaming (ids on the bus are unique)."""
+        first = request_id in (context.response_id, f"{context.response_id}-0")
+        bus_id = bus_request_id(
+            context.response_id if first and context.response_id else request_id
+        )
+        if bus_id in self.host.streams:
+            bus_id = bus_request_id(f"{bus_id}-{secrets.token_hex(4)}")  # the suffix stays
+        return bus_id
 
     # ---- the rest of the protocol: kvpush's engines live in the workers -----------------------
     is_running = property(lambda self: True)

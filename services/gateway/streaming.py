@@ -144,6 +144,9 @@ class TokenStreams:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._streams
+
     async def _on_message(self, subject: str, message: BusMessage) -> None:
         if not isinstance(message, TokenChunk):
             self.stats.unknown += 1

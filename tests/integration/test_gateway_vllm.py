@@ -9,6 +9,7 @@ Threading model: the test's event loop (gateway and fake workers on it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -94,3 +95,35 @@ async def test_the_openapi_document_describes_vllm_s_routes_and_kvpush_s_own(
     assert {"/tokenize", "/detokenize", "/version", "/dashboard", "/ready"} <= set(doc["paths"])
     assert doc["paths"]["/v1/completions"]["post"]["security"]  # API keys on /v1/*
     assert "security" not in doc["paths"]["/tokenize"]["post"]
+
+
+async def test_a_client_s_x_request_id_names_the_answer_and_comes_back(
+    vstack: StackFactory,
+) -> None:
+    s = await vstack()
+    headers = {"X-Request-Id": "client-42"}
+    for stream in (False, True):
+        body = {"prompt": "x", "max_tokens": 2, "stream": stream}
+        async with s.http.post(
+            s.gateway.url + "/v1/completions", json=body, headers=headers
+        ) as resp:
+            assert resp.status == 200 and resp.headers["X-Request-Id"] == "client-42"
+            text = await resp.text()
+        first = sse_events(text)[0] if stream else json.loads(text)
+        assert first["id"] == "cmpl-client-42"
+    # the bus, the traces and the dashboard know the request by the answer's id
+    assert [e.request_id for e in s.decode.events] == ["cmpl-client-42"] * 2
+
+
+async def test_two_answers_at_once_under_one_x_request_id_both_come(vstack: StackFactory) -> None:
+    s = await vstack()
+    s.decode.chunk_delay_s = 0.02
+    headers = {"X-Request-Id": "same"}
+    body = {"prompt": "x", "max_tokens": 5}
+    answers = await asyncio.gather(
+        *(s.post("/v1/completions", body, headers=headers) for _ in range(2))
+    )
+    assert [status for status, _ in answers] == [200, 200]
+    assert all(a["choices"][0]["text"] == " w0 w1 w2 w3 w4" for _, a in answers)
+    ids = sorted(e.request_id for e in s.decode.events)
+    assert ids[0] == "cmpl-same" and ids[1].startswith("cmpl-same-") and len(set(ids)) == 2
