@@ -41,6 +41,10 @@ class Workers:
     procs: dict[str, WorkerProc]
 
 
+# REF's drain test checks its request finishes, however busy the box: a long drain timeout
+REF_FLAGS = ("--max-inflight", "2", "--drain-timeout-s", "300")
+
+
 @pytest.fixture(scope="module")
 async def workers(
     tiny_model: Path, nats_server: EmbeddedNats, tmp_path_factory: pytest.TempPathFactory
@@ -50,7 +54,7 @@ async def workers(
     procs = {
         P: WorkerProc("prefill", P, url, tiny_model, [0], logs),
         D: WorkerProc("decode", D, url, tiny_model, [1], logs),
-        REF: WorkerProc("decode", REF, url, tiny_model, [0], logs, "--max-inflight", "2"),
+        REF: WorkerProc("decode", REF, url, tiny_model, [0], logs, *REF_FLAGS),
     }
     observer = await Observer.connect(url)
     try:
