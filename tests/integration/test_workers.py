@@ -428,7 +428,7 @@ async def test_sigterm_drains_a_worker_in_flight_requests_finish_new_ones_do_not
     assert not obs.finished(running.request_id), "too short to observe the drain"
     refused = obs.event(P, REF, prompt(rng, 40), "local")
     await obs.publish(refused)
-    chunks = await obs.collect(running, 60)
+    chunks = await obs.collect(running, 300)  # a correctness check: however busy the box
     assert_well_formed(chunks, FinishReason.LENGTH, 40)
     assert len(tokens_of(chunks)) == 3000
     assert await asyncio.to_thread(proc.proc.wait, 30) == 0, proc.tail()
