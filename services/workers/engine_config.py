@@ -1,6 +1,7 @@
 """What an engine is built from and where it runs: ``EngineConfig`` (model, device, memory,
-connector, executor, cores, the driver's waits), ``engine_env`` (the environment variables an
-engine sets before vLLM is imported) and ``rank_core_lists`` (the cores of each TP rank).
+connector, executor, cores, the driver's waits), ``engine_kwargs`` (its ``EngineArgs``),
+``engine_env`` (the environment variables an engine sets before vLLM is imported) and
+``rank_core_lists`` (the cores of each TP rank).
 
 Threading model: none (values and pure functions).
 """
@@ -31,6 +32,7 @@ class EngineConfig:
     dtype: str = "float32"
     enforce_eager: bool = True
     max_num_seqs: int = 64
+    reasoning_parser: str = ""  # vLLM's: a grammar starts where the model's reasoning ends
     log_stats: bool = False  # vLLM's engine stats (the vllm:* Prometheus series) recorded
     cpu_cores: list[int] | None = None
     tensor_parallel_size: int = 1
@@ -78,3 +80,29 @@ def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
     return env
+
+
+def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """``EngineArgs`` of an engine of ``cfg``, but ``kv_transfer_config`` (the caller makes the
+    ``KVTransferConfig`` of ``cfg.kv_transfer_config``: that needs vLLM imported)."""
+    # These EngineConfig fields have the names of EngineArgs fields.
+    names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
+    kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
+    kwargs.update(model=str(cfg.model_dir))
+    kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics (workers.metrics)
+    # kvpush drives the engine one synchronous step at a time and sleeps after a step that
+    # scheduled nothing; vLLM's async scheduling (on by default on CUDA) queues batches and
+    # reports no step as executed, so every step looked idle (a pushed request's first
+    # token waited out connector_idle_wait_s: 30 s on the H200)
+    kwargs.update(load_format=cfg.load_format, async_scheduling=False)
+    if cfg.device == "cuda":
+        kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
+    kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)
+    if cfg.reasoning_parser:
+        # as `vllm serve --reasoning-parser`: the engine's structured-output manager holds a
+        # request's grammar (json_schema, a named tool) until the model's reasoning has ended
+        kwargs.update(reasoning_parser=cfg.reasoning_parser)
+    # kvpush serves vLLM's OpenAI API: the defaults vLLM picks for what `vllm serve` does
+    # (max_num_batched_tokens: 8192 on an H200, 2048 per rank on CPU), not the engine
+    # context's (2048 everywhere): the caller builds with UsageContext.OPENAI_API_SERVER
+    return kwargs

@@ -130,6 +130,38 @@ def test_tensor_parallel_flags_reach_the_engine_and_bad_ones_are_config_errors(t
         UpConfig.from_args(parse(UP_SETTINGS, "--prefill-tp", "2", "--decode-tp", "3"), {})
 
 
+def test_a_reasoning_parser_reaches_the_engine_and_kvpush_up_gives_it_to_gateway_and_workers(
+    tmp_path,
+) -> None:
+    from kvpush.services.up import Stack
+    from kvpush.services.workers.engine_config import engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    args = parser.parse_args(["--reasoning-parser", "qwen3", "--model", str(tmp_path)])
+    engine = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
+    assert engine_kwargs(engine)["reasoning_parser"] == "qwen3"
+    args = parser.parse_args(["--model", str(tmp_path)])
+    engine = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
+    assert "reasoning_parser" not in engine_kwargs(engine)  # vLLM's default: none
+
+    flags = ("--reasoning-parser", "qwen3", "--vllm-arg=--enable-auto-tool-choice")
+    stack = Stack(UpConfig.from_args(parse(UP_SETTINGS, *flags, "--log-dir", str(tmp_path)), {}))
+    stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+    stack._plan()
+    for child in stack.workers:
+        assert child.argv[child.argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert stack.gateway is not None
+    gateway_argv = stack.gateway.argv
+    assert "--vllm-arg=--enable-auto-tool-choice" in gateway_argv
+    assert "--vllm-arg=--reasoning-parser=qwen3" in gateway_argv
+    gateway_args = argparse.ArgumentParser()
+    gateway_config.add_arguments(gateway_args)
+    cli_args = gateway_args.parse_args(gateway_argv[gateway_argv.index("gateway") + 1 :])
+    parsed = gateway_config.GatewayConfig.from_args(cli_args, {})
+    assert parsed.vllm_args == ("--enable-auto-tool-choice", "--reasoning-parser=qwen3")
+
+
 def test_gpu_plans_that_cannot_run_are_refused_before_anything_starts(tmp_path) -> None:
     with pytest.raises(ConfigError, match="on CUDA is not supported yet"):
         UpConfig.from_args(parse(UP_SETTINGS, "--device", "cuda", "--tp", "2"), {})
