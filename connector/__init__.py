@@ -50,6 +50,9 @@ VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
 VLLM_CONNECTOR_CLASS = "KVPushConnector"
 FAULTS_CONNECTOR_MODULE = "kvpush.connector.vllm.faults"  # tests and soak runs only
 FAULTS_CONNECTOR_CLASS = "SlowPrefillConnector"
+# an engine with its engine-core process (vLLM's scheduler_cls and worker_extension_cls)
+VLLM_SCHEDULER = "kvpush.connector.vllm.engine_core.kvpush_scheduler"
+VLLM_WORKER_EXTENSION = "kvpush.connector.vllm.engine_core.KVPushWorkerExtension"
 
 __all__ = [
     "DEFAULT_NATS_URL",
@@ -57,6 +60,8 @@ __all__ = [
     "FAULTS_CONNECTOR_MODULE",
     "VLLM_CONNECTOR_CLASS",
     "VLLM_CONNECTOR_MODULE",
+    "VLLM_SCHEDULER",
+    "VLLM_WORKER_EXTENSION",
     "AgentConfig",
     "AgentError",
     "Backend",

@@ -41,6 +41,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     repeat: bool = False  # the flag may be given several times (list); the variable: commas
     flag: bool = True  # False: environment only (fault injection, tests)
+    bare: str | None = None  # the value of the flag given without one (``--enforce-eager``)
 
     @property
     def variable(self) -> str:
@@ -58,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: Sequence[Setting]) -> 
             kwargs["choices"] = list(row.choices)
         else:
             kwargs["metavar"] = row.metavar or _metavar(row)
+        if row.bare is not None:
+            kwargs.update(nargs="?", const=row.bare)
         if row.repeat:
             kwargs["action"] = "append"
         elif row.parse is not str:

@@ -91,6 +91,12 @@ class KVPushConnector(KVConnectorBase_V1):
         """The scheduler role's half: the driver's contact point (None for the worker role)."""
         return self._scheduler
 
+    @property
+    def worker_half(self) -> WorkerHalf | None:
+        """This rank's worker half (None for the scheduler role): what the worker extension
+        of an engine-core process reads (``engine_core.KVPushWorkerExtension``)."""
+        return self._worker
+
     # ---- worker role ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None

@@ -57,6 +57,8 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    engine_core: str = "auto"  # auto: "process" on cuda (as vllm serve), "thread" on cpu
+    enforce_eager: str = "auto"  # auto: off on cuda (torch.compile + CUDA graphs), on on cpu
     heartbeat_s: float = 1.0
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
     prefill_lease_s: float = 3.0  # decode: a prefill worker silent this long is probed
@@ -91,6 +93,8 @@ class WorkerConfig:
         prefill = self.role is WorkerRole.PREFILL
         device = resolve_device(self.device)
         dtype = self.dtype if self.dtype != "auto" else DEFAULT_DTYPE[device]
+        engine_core = self.engine_core if self.engine_core != "auto" else ENGINE_CORE[device]
+        eager = self.enforce_eager == "on" or (self.enforce_eager == "auto" and device == "cpu")
         return EngineConfig(
             model_dir=self.model_dir,
             max_model_len=self.max_model_len,
@@ -99,6 +103,8 @@ class WorkerConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             load_format=self.load_format,
             dtype=dtype,
+            engine_core=engine_core,
+            enforce_eager=eager,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=min(self.max_num_seqs, self.max_inflight),
             reasoning_parser=self.reasoning_parser,
@@ -117,6 +123,11 @@ class WorkerConfig:
 
 
 DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
+# Where vLLM's engine core runs by default. CUDA: its own process, as `vllm serve` (the GPU
+# works while the client detokenizes and the worker serves the bus). CPU: a thread of the
+# worker, stepped only when there is work: on a 2-core box an engine-core process per engine
+# busy-loops a core while a decode request waits for pushed KV (docs/operating.md).
+ENGINE_CORE = {"cpu": "thread", "cuda": "process"}
 
 
 def resolve_device(device: str) -> str:
@@ -280,6 +291,24 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "weights and KV dtype (default auto: bfloat16 on cuda, float32 on cpu)",
         choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Setting(
+        "engine_core",
+        ("--engine-core",),
+        str,
+        "where vLLM's engine core runs: process (its own process, vLLM's AsyncLLM, async"
+        " scheduling: as `vllm serve`) or thread (a thread of the worker, stepped only when"
+        " there is work, no async scheduling) (default auto: process on cuda, thread on cpu)",
+        choices=("auto", "process", "thread"),
+    ),
+    Setting(
+        "enforce_eager",
+        ("--enforce-eager",),
+        str,
+        "run the model eagerly: no torch.compile, no CUDA graphs (faster start, 3-5x slower"
+        " decode on a GPU); alone it means on (default auto: off on cuda, on on cpu)",
+        choices=("auto", "on", "off"),
+        bare="on",
     ),
     Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 1)"),
     Setting(

@@ -44,7 +44,7 @@ from kvpush.services.workers.engine_config import (
     engine_kwargs,
     rank_core_lists,
 )
-from kvpush.services.workers.fanout import Answers, child_id, engine_params
+from kvpush.services.workers.fanout import Answers, child_id, engine_params, route
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
@@ -315,13 +315,10 @@ class EngineHost:
         starts the later answers (its prompt KV is in the prefix cache now)."""
         if (answers := self._answers.get(out.request_id)) is None:  # aborted meanwhile
             return
-        delta = answers.take(out.request_id, delta_of(out, answers.live[out.request_id]))
+        delta = delta_of(out, answers.live[out.request_id])
         if out.finished:
             del self._answers[out.request_id]
-        answers.handle._push(delta)
-        add = functools.partial(self._add_answer, answers)
-        if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
-            answers.handle._push(last)
+        route(answers, out.request_id, delta, functools.partial(self._add_answer, answers))
         if answers.handle.finished_at is not None:
             self._requests.pop(answers.request_id, None)
 

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kvpush.connector import VLLM_SCHEDULER, VLLM_WORKER_EXTENSION
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -31,6 +33,9 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     enforce_eager: bool = True
+    # "thread": vLLM's sync engine core driven on a thread of this process (EngineHost);
+    # "process": AsyncLLM with its engine-core process, as `vllm serve` (CoreEngineHost)
+    engine_core: str = "thread"
     max_num_seqs: int = 64
     reasoning_parser: str = ""  # vLLM's: a grammar starts where the model's reasoning ends
     log_stats: bool = False  # vLLM's engine stats (the vllm:* Prometheus series) recorded
@@ -71,7 +76,8 @@ def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
     already in ``environ`` of the optional ones stays). On CUDA, UCX's cuda_ipc transport moves
     a NIXL READ (pull mode) of GPU memory only with GET zero-copy on; without it the READ fell
     back to TCP (docs/benchmarks/gpu.md: 351 ms for a 2k prompt's KV on the H200)."""
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    in_process = "0" if cfg.engine_core == "thread" else "1"
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}
     if cfg.device == "cuda":
         if cfg.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(cfg.gpu)
@@ -89,12 +95,21 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
     kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
     kwargs.update(model=str(cfg.model_dir))
-    kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics (workers.metrics)
-    # kvpush drives the engine one synchronous step at a time and sleeps after a step that
-    # scheduled nothing; vLLM's async scheduling (on by default on CUDA) queues batches and
-    # reports no step as executed, so every step looked idle (a pushed request's first
-    # token waited out connector_idle_wait_s: 30 s on the H200)
-    kwargs.update(load_format=cfg.load_format, async_scheduling=False)
+    kwargs.update(load_format=cfg.load_format)
+    if cfg.engine_core == "process":
+        # as `vllm serve`: vLLM's own engine-core loop, async scheduling where vLLM turns it
+        # on, stats on (the pool's free blocks come from them); kvpush's scheduler reports
+        # P's first tokens, its worker extension answers the driver's questions
+        kwargs.update(disable_log_stats=False)
+        if cfg.kv_transfer_config:
+            kwargs.update(scheduler_cls=VLLM_SCHEDULER, worker_extension_cls=VLLM_WORKER_EXTENSION)
+    else:
+        kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics
+        # EngineHost drives the engine one synchronous step at a time and sleeps after a step
+        # that scheduled nothing; vLLM's async scheduling queues batches and reports no step
+        # as executed, so every step looked idle (a pushed request's first token waited out
+        # connector_idle_wait_s: 30 s on the H200)
+        kwargs.update(async_scheduling=False)
     if cfg.device == "cuda":
         kwargs.update(gpu_memory_utilization=cfg.gpu_memory_utilization)
     kwargs.update(tensor_parallel_size=cfg.tp, distributed_executor_backend=cfg.backend)

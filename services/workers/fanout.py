@@ -136,3 +136,12 @@ class Answers:
         if self.ended:
             return self.last(EngineOutput(self.request_id, [], "", "error"))
         return None
+
+
+def route(answers: Answers, engine_id: str, delta: EngineOutput, add: Any) -> None:
+    """One delta of answer ``engine_id`` to its request's handle; answer 0's first output
+    starts the later answers (``add(engine_id, params)``: its prompt KV is in the prefix cache
+    now)."""
+    answers.handle._push(answers.take(engine_id, delta))
+    if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
+        answers.handle._push(last)

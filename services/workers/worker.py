@@ -56,7 +56,7 @@ from kvpush.schemas.messages import (
 )
 from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
-from kvpush.services.workers.engine import EngineHost
+from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
 from kvpush.services.workers.metrics import EngineMetricsServer
 from kvpush.services.workers.registry import Registry
@@ -91,7 +91,7 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.epoch = now_ms()
-        self.host = EngineHost(config.engine_config())
+        self.host = engine_host(config.engine_config())
         self.side_channel = ""
         self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
         self._bus: Bus | None = None
@@ -191,9 +191,10 @@ class Worker:
                 self._abort(entry, "shutdown")
             if late:
                 await asyncio.wait(late, timeout=5.0)
-        while self.host.link.pending() > 0 and time.monotonic() < deadline:
+        pending = self.host.link.pending  # an engine-core process is asked over RPC: a thread
+        while await asyncio.to_thread(pending) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # P's pushes still in flight: D's blocks depend on them
-        log.info("drained (connector transfers pending: %d)", self.host.link.pending())
+        log.info("drained (connector transfers pending: %d)", await asyncio.to_thread(pending))
 
     async def cleanup(self) -> None:
         if self._heartbeat_task is not None:

@@ -111,7 +111,7 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
     import msgspec
 
     from kvpush.schemas.messages import SamplingSpec
-    from kvpush.services.workers.engine import EngineHost
+    from kvpush.services.workers.core_engine import engine_host
 
     send_lock = threading.Lock()
 
@@ -119,7 +119,7 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
         with send_lock:
             conn.send(msg)
 
-    host = EngineHost(config)
+    host = engine_host(config)  # config.engine_core: this process's thread, or a process
     started = time.monotonic()
     try:
         host.start(progress=lambda msg: send("progress", msg))
@@ -272,7 +272,8 @@ class EngineProc:
             target=_child,
             args=(child_conn, self.config, self.log_path),
             name=f"engine-{self.name}",
-            daemon=self.config.tp == 1,  # TP > 1: vLLM starts a process per rank from it
+            # vLLM starts a process per rank (TP > 1) or an engine-core process from it
+            daemon=self.config.tp == 1 and self.config.engine_core == "thread",
         )
         started = time.monotonic()
         self._proc.start()

@@ -1,0 +1,371 @@
+"""CoreEngineHost: a vLLM engine as ``vllm serve`` runs it — ``AsyncLLM`` with the engine core in
+a process of its own (async scheduling and, on CUDA, torch.compile + CUDA graphs by default).
+
+The same face as ``EngineHost`` (``submit``/``abort`` give and end ``RequestHandle``s, the n
+answers of a request fanned out here: ``fanout.py``), so the worker service runs either. What
+differs is where things run: vLLM's scheduler, the connector's scheduler half and (with the
+uniproc executor) the model and the connector's worker half live in the engine-core process,
+which steps on its own busy loop; this process holds vLLM's client (input and output
+processing, detokenizing, stop strings). P's first token comes back as the request's first
+engine output (``kvpush.connector.vllm.engine_core``: kvpush's ``scheduler_cls``), and what
+the worker asks of the connector (each rank's side channel, live transfers, a peer to suspect)
+crosses as ``collective_rpc`` calls to kvpush's ``worker_extension_cls`` (``CoreLink``). The
+pool's free blocks come from vLLM's scheduler stats (``kv_cache_usage``, every step), so stats
+are on, as under ``vllm serve``.
+
+Threading model: ``AsyncLLM`` lives on one asyncio loop on the daemon thread
+``kvpush-engine-client``; every public method may be called from any thread and hands its work
+to that loop (``call_soon_threadsafe``; queries wait for the answer). Per answer one task reads
+``AsyncLLM.generate`` and pushes deltas into the request's handle (``RequestHandle._push`` is
+thread-safe). The loop's own state (``_requests``, ``_answers``, ``_tasks``) is touched on it
+only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from kvpush.connector import ConnectorInfo
+from kvpush.schemas.messages import Timing
+from kvpush.schemas.sampling import SamplingSpec
+from kvpush.services.workers import weights
+from kvpush.services.workers.engine import EngineHost
+from kvpush.services.workers.engine_config import EngineConfig, engine_env, engine_kwargs
+from kvpush.services.workers.fanout import Answers, child_id, engine_params, route
+from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
+
+log = logging.getLogger(__name__)
+RPC_TIMEOUT_S = 30.0
+
+
+class CoreLink:
+    """The connector as a driver of an engine-core process sees it (``EngineLink``'s face): the
+    ranks' identities (read at start), live transfers and suspects over ``collective_rpc``.
+    Timing marks all come on the requests' outputs, so ``take_timing`` has none to add."""
+
+    def __init__(self, host: CoreEngineHost) -> None:
+        self._host = host
+        self.ranks: list[ConnectorInfo] = []
+        self.connected = False
+
+    @property
+    def info(self) -> ConnectorInfo | None:
+        return self.ranks[0] if self.ranks else None
+
+    def pending(self) -> int:
+        """Transfers some rank's transport still tracks (asks every rank)."""
+        if not self.connected:
+            return 0
+        return sum(self._host.rpc("kvpush_live_transfers"))
+
+    def last_step_idle(self) -> bool:
+        return False
+
+    def take_timing(self, transfer_id: str) -> Timing | None:
+        return None
+
+    def suspect_peer(self, address: str) -> None:
+        """Tell every rank's decode side (without waiting) that ``address`` may be gone."""
+        if self.connected:
+            self._host.rpc_nowait("kvpush_suspect_peer", address)
+
+
+class _FreeBlocks:
+    """A vLLM stat logger of the pool's free blocks (``kv_cache_usage`` of each step's
+    ``SchedulerStats``; it runs in the client's output handler, on the host's loop)."""
+
+    def __init__(self, host: CoreEngineHost) -> None:
+        self.host = host
+
+    def __call__(self, vllm_config: Any, engine_index: int = 0) -> _FreeBlocks:
+        return self  # vLLM's StatLoggerFactory: one engine, one logger
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+        if scheduler_stats is not None:
+            usable = self.host.total_blocks()
+            self.host.last_free_blocks = round((1.0 - scheduler_stats.kv_cache_usage) * usable)
+            self.host.steps += 1
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+    def log(self) -> None:
+        return None
+
+    def record_sleep_state(self, *args: Any) -> None:
+        return None
+
+
+class CoreEngineHost:
+    """A vLLM ``AsyncLLM`` with its engine-core process; the module docstring says how."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.link = CoreLink(self)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._engine: Any = None
+        self._num_blocks = 0
+        self._accepting = False
+        self._requests: dict[str, Answers] = {}  # loop only: by request id
+        self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # engine request id -> its reader
+        self.steps = 0  # engine steps reported (scheduler stats); idle ones are not told apart
+        self.idle_steps = 0
+        self.last_free_blocks = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] | None = None, timeout: float = 900.0) -> None:
+        """Start the loop thread, build the engine (its core process compiles and captures
+        graphs: ``progress`` gets a line per stage); return when ready, or raise its error."""
+        if self._thread is not None:
+            raise RuntimeError("CoreEngineHost already started")
+        env = engine_env(self.config, os.environ)
+        if self.config.cpu_cores:  # the engine-core process inherits the affinity
+            from kvpush.services.workers.engine_config import rank_core_lists
+
+            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(self.config.cpu_cores, 1)
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self.config.cpu_cores)
+        os.environ.update(env)  # before vllm is imported: it reads some of these at import
+        report = progress or (lambda _msg: None)
+        self._thread = threading.Thread(
+            target=self._run, args=(report,), name="kvpush-engine-client", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"engine not ready after {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+
+    def _run(self, report: Callable[[str], None]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._build(report))
+            self._accepting = True
+        except BaseException as exc:  # start() raises it
+            self._start_error = exc
+            self._ready.set()
+            loop.close()
+            return
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _build(self, report: Callable[[str], None]) -> None:
+        cfg = self.config
+        started = time.monotonic()
+        report("importing vllm")
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = engine_kwargs(cfg)
+        if cfg.kv_transfer_config:
+            kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
+        graphs = "eager" if kwargs.get("enforce_eager") else "torch.compile + CUDA graphs"
+        report(
+            f"vllm imported ({time.monotonic() - started:.1f} s); starting the engine-core process"
+            f" ({graphs if cfg.device == 'cuda' else cfg.device}; loading weights, profiling"
+            " memory, compiling and capturing: minutes on a cold cache)"
+        )
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs),
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[_FreeBlocks(self)],
+        )
+        self._engine = engine
+        self._num_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
+            report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
+            await engine.collective_rpc("apply_model", args=(weights.normal_dummy_weights,))
+        if cfg.kv_transfer_config:
+            infos = await engine.collective_rpc("kvpush_rank_info", timeout=RPC_TIMEOUT_S)
+            ranks = [msgspec.convert(info, ConnectorInfo) for info in infos if info is not None]
+            self.link.ranks = sorted(ranks, key=lambda info: info.rank)
+            self.link.connected = bool(ranks)
+        self.last_free_blocks = self.total_blocks()
+        report(f"engine ready ({time.monotonic() - started:.1f} s, {self.total_blocks()} blocks)")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request, shut the engine (and its process) down, end the loop."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout)
+
+    async def _shutdown(self) -> None:
+        self._accepting = False
+        for rid in sorted(self._requests):
+            self._abort(rid, "abort", "engine stopped")
+        for task in list(self._tasks.values()):
+            task.cancel()
+        try:
+            self._engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
+
+    # ---- requests -------------------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestHandle:
+        """Hand a request to the engine; its outputs (or its error, as a final output) arrive on
+        the handle."""
+        handle = RequestHandle(request_id)
+        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
+        self._post(lambda: self._add(handle, request))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its handle gets a final output with finish_reason "abort"."""
+        self._post(lambda: self._abort(request_id, "abort", None))
+
+    def free_blocks(self, timeout: float = 30.0) -> int:
+        """Free blocks after the engine's last step (its scheduler stats)."""
+        return self.last_free_blocks
+
+    def total_blocks(self) -> int:
+        """Usable blocks of the KV pool (vLLM's reserved null block excluded)."""
+        return max(0, self._num_blocks - 1)
+
+    def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """Drop the prefix cache; False while any block is in use."""
+        return bool(self._wait(self._engine.reset_prefix_cache(), timeout))
+
+    def rpc(self, method: str, *args: Any) -> list[Any]:
+        """``collective_rpc`` of kvpush's worker extension: every rank's answer."""
+        return list(self._wait(self._engine.collective_rpc(method, args=args), RPC_TIMEOUT_S))
+
+    def rpc_nowait(self, method: str, *args: Any) -> None:
+        if self._loop is not None and self._accepting:
+            asyncio.run_coroutine_threadsafe(
+                self._engine.collective_rpc(method, args=args), self._loop
+            )
+
+    def _wait(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        if self._loop is None:
+            raise RuntimeError("CoreEngineHost is not running")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a blocking query from the engine client's own loop")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _post(self, command: Callable[[], None]) -> None:
+        if not self._accepting or self._loop is None:
+            raise RuntimeError("CoreEngineHost is not running")
+        self._loop.call_soon_threadsafe(command)
+
+    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
+        token_ids, cache_salt, sampling, kv_params = request
+        rid = handle.request_id
+        try:
+            ids = [child_id(rid, i) for i in range(sampling.n)]
+            if any(i in self._answers for i in ids) or rid in self._requests:
+                raise ValueError("duplicate request_id")
+            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
+        except Exception as exc:
+            log.warning("request %s rejected: %s", rid, exc)
+            handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
+            return
+        answers = Answers(
+            rid, handle, (token_ids, cache_salt), {rid: 0}, list(enumerate(params))[1:]
+        )
+        self._requests[rid] = answers
+        self._add_answer(answers, rid, params[0])
+
+    def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
+        from vllm.inputs.engine import tokens_input
+
+        token_ids, cache_salt = answers.prompt
+        prompt = tokens_input(token_ids, cache_salt=cache_salt)
+        self._answers[engine_id] = answers
+        assert self._loop is not None
+        task = self._loop.create_task(self._read(answers, engine_id, prompt, params))
+        self._tasks[engine_id] = task
+
+    def _adder(self, answers: Answers) -> Callable[[str, Any], None]:
+        return lambda engine_id, params: self._add_answer(answers, engine_id, params)
+
+    async def _read(self, answers: Answers, engine_id: str, prompt: Any, params: Any) -> None:
+        """One answer's outputs from ``AsyncLLM.generate`` into the request's handle."""
+        try:
+            async for out in self._engine.generate(prompt, params, engine_id):
+                if self._answers.get(engine_id) is not answers:  # aborted meanwhile
+                    return
+                index = answers.live[engine_id]
+                if out.finished:
+                    del self._answers[engine_id]
+                route(answers, engine_id, delta_of(out, index), self._adder(answers))
+                if answers.handle.finished_at is not None:
+                    self._requests.pop(answers.request_id, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # refused by vLLM's input checks, or the engine died
+            if self._answers.pop(engine_id, None) is answers:
+                log.warning("answer %s failed: %s", engine_id, exc)
+                index = answers.live.get(engine_id, 0)
+                error = f"rejected: {exc}"
+                delta = EngineOutput(engine_id, [], "", "error", error, index=index)
+                delta = dataclasses.replace(delta, sequence_finish_reason="error")
+                route(answers, engine_id, delta, self._adder(answers))
+                if answers.handle.finished_at is not None:
+                    self._requests.pop(answers.request_id, None)
+        finally:
+            self._tasks.pop(engine_id, None)
+
+    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
+        """End a request and every answer of it in the engine."""
+        if (answers := self._requests.pop(request_id, None)) is None:
+            return
+        live = list(answers.live)
+        answers.live.clear()
+        answers.later.clear()
+        for engine_id in live:
+            self._answers.pop(engine_id, None)
+            if (task := self._tasks.pop(engine_id, None)) is not None:
+                task.cancel()  # vLLM's generate aborts its request when cancelled
+        if live and self._loop is not None:
+            self._loop.create_task(self._engine.abort(live))
+        answers.handle._push(
+            EngineOutput(
+                request_id,
+                [],
+                "",
+                reason,
+                error,
+                answers.kv_transfer_params,
+                answers.num_cached_tokens,
+            )
+        )
+
+
+def engine_host(config: EngineConfig) -> EngineHost | CoreEngineHost:
+    """The host of ``config.engine_core``: a thread of this process, or an engine-core process."""
+    if config.engine_core == "process":
+        return CoreEngineHost(config)
+    if config.engine_core == "thread":
+        return EngineHost(config)
+    raise ValueError(f"engine_core must be 'process' or 'thread', not {config.engine_core!r}")
