@@ -54,6 +54,16 @@ check)
     # kvpush up on the GPU: push and pull token-identical to local, KV received (gpu.md)
     timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check" --repeats 2 2>&1 | tail -12
     ;;
+engine-check)
+    # issue 29: the serving check with the workers' CUDA defaults (engine-core process, graphs)
+    timeout 570 setsid python3 -m tests.gpu.gpu_serve --out "$out/check" --repeats 1 \
+        --start-timeout-s 500 2>&1 | tail -12
+    ;;
+engine-kvpush|engine-vllm-serve)
+    # issue 29: start to ready, then vllm bench serve at c=1 and a rate (tests.gpu.gpu_engine)
+    timeout 580 setsid python3 -m tests.gpu.gpu_engine --out "$out/engine" \
+        --system "${step#engine-}" ${ENGINE_FLAGS:-} 2>&1 | tail -30
+    ;;
 check-vllm)
     # the same with the gateway's vLLM frontend (vLLM 0.26's serving layer) and its API features
     timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check-vllm" --repeats 1 \

@@ -1,0 +1,131 @@
+"""GPU engine-mode probe (issue 29): one system on one H200, start to ready, then vLLM's own
+``vllm bench serve`` client (random prompts, fresh seed per point) at concurrency 1 and at
+Poisson rates. Systems: ``kvpush`` (``kvpush up --device cuda`` with the given worker flags;
+its defaults run each engine as ``vllm serve`` does: engine-core process, CUDA graphs, async
+scheduling) and ``vllm-serve`` (``vllm serve`` with its defaults), both on the Llama-3-8B
+shape with dummy weights. Writes ``OUT/<system>.json``: start seconds and vLLM bench's result
+per point. A probe to settle the engine mode on the device, not the committed benchmark
+(``kvpush bench serve``).
+
+Run on the GPU host (the vLLM bundle on PYTHONPATH, nats-server on PATH)::
+
+    python3 -m tests.gpu.gpu_engine --out $OUT --system kvpush [--worker-flag=--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.gpu.gpu_transport import ensure_kvpush_importable
+
+
+def start(system: str, out: Path, model_dir: Path, port: int, extra: list[str]) -> Any:
+    log = open(out / f"{system}.log", "wb")  # noqa: SIM115 (lives as long as the child)
+    if system == "kvpush":
+        argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
+        argv += ["--model", str(model_dir), "--device", "cuda", "--load-format", "dummy"]
+        argv += ["--log-dir", str(out / "logs"), *extra]
+    else:
+        argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
+        argv += ["--port", str(port), "--load-format", "dummy", "--served-model-name"]
+        argv += ["llama-8b", "--gpu-memory-utilization", "0.85", *extra]
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(proc: Any, url: str, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            body = json.dumps({"model": "llama-8b", "prompt": "hi", "max_tokens": 1}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", body)
+            req.add_header("Content-Type", "application/json")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status == 200:
+                    return
+        time.sleep(1.0)
+    raise TimeoutError(f"not ready in {timeout_s} s")
+
+
+def bench(url: str, model_dir: Path, out: Path, name: str, seed: int, **point: Any) -> Any:
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    argv += ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
+    argv += ["--model", "llama-8b", "--tokenizer", str(model_dir), "--dataset-name", "random"]
+    argv += ["--random-input-len", str(point["input_len"]), "--random-output-len", "64"]
+    argv += ["--ignore-eos", "--num-prompts", str(point["prompts"]), "--seed", str(seed)]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    argv += ["--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
+    if "concurrency" in point:
+        argv += ["--max-concurrency", str(point["concurrency"])]
+    argv += ["--request-rate", str(point.get("rate", "inf"))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    print(done.stdout[-1500:], flush=True)
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {"error": done.stderr[-2000:]}
+
+
+POINTS = (
+    ("c1-2048", {"input_len": 2048, "concurrency": 1, "prompts": 24}),
+    ("c1-8192", {"input_len": 8192, "concurrency": 1, "prompts": 12}),
+    ("r8-2048", {"input_len": 2048, "rate": 8, "prompts": 120}),
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--system", choices=("kvpush", "vllm-serve"), default="kvpush")
+    parser.add_argument("--flag", action="append", default=[], help="extra flag of the system")
+    parser.add_argument("--points", default=",".join(name for name, _ in POINTS))
+    parser.add_argument("--port", type=int, default=8431)
+    args = parser.parse_args()
+    ensure_kvpush_importable()
+    from kvpush.services import models
+
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    model_dir = models.build_model(models.LLAMA_8B, Path("/tmp/kvpush-llama-8b"))
+    url = f"http://127.0.0.1:{args.port}"
+    result: dict[str, Any] = {"system": args.system, "flags": args.flag, "points": {}}
+    started = time.monotonic()
+    proc = start(args.system, out, model_dir, args.port, args.flag)
+    try:
+        wait_ready(proc, url, out / f"{args.system}.log", 560)
+        result["start_s"] = round(time.monotonic() - started, 1)
+        print(f"{args.system} ready in {result['start_s']} s", flush=True)
+        wanted = args.points.split(",")
+        for seed, (name, point) in enumerate(POINTS, start=100):
+            if name in wanted:
+                got = bench(url, model_dir, out, f"{args.system}-{name}", seed, **point)
+                keep = ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
+                keep += ("output_throughput", "completed", "failed", "error")
+                result["points"][name] = {k: got.get(k) for k in keep if k in got}
+                print(name, result["points"][name], flush=True)
+    except Exception as exc:
+        result["error"] = repr(exc)[:2000]
+        print("ERROR", result["error"], flush=True)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    (out / f"{args.system}.json").write_text(json.dumps(result, indent=1))
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
