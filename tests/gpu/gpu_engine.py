@@ -42,26 +42,31 @@ def start(system: str, out: Path, model_dir: Path, port: int, extra: list[str]) 
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_ready(proc: Any, url: str, log: Path, timeout_s: float) -> None:
+def wait_ready(proc: Any, url: str, log: Path, timeout_s: float) -> str:
+    """The served model's name once a completion of it answers 200."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            body = json.dumps({"model": "llama-8b", "prompt": "hi", "max_tokens": 1}).encode()
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+                model = json.loads(resp.read())["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
             req = urllib.request.Request(f"{url}/v1/completions", body)
             req.add_header("Content-Type", "application/json")
             with urllib.request.urlopen(req, timeout=30) as resp:
                 if resp.status == 200:
-                    return
+                    return str(model)
         time.sleep(1.0)
     raise TimeoutError(f"not ready in {timeout_s} s")
 
 
-def bench(url: str, model_dir: Path, out: Path, name: str, seed: int, **point: Any) -> Any:
+def bench(
+    url: str, model: str, model_dir: Path, out: Path, name: str, seed: int, **point: Any
+) -> Any:
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
     argv += ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
-    argv += ["--model", "llama-8b", "--tokenizer", str(model_dir), "--dataset-name", "random"]
+    argv += ["--model", model, "--tokenizer", str(model_dir), "--dataset-name", "random"]
     argv += ["--random-input-len", str(point["input_len"]), "--random-output-len", "64"]
     argv += ["--ignore-eos", "--num-prompts", str(point["prompts"]), "--seed", str(seed)]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
@@ -102,13 +107,13 @@ def main() -> int:
     started = time.monotonic()
     proc = start(args.system, out, model_dir, args.port, args.flag)
     try:
-        wait_ready(proc, url, out / f"{args.system}.log", 560)
+        model = wait_ready(proc, url, out / f"{args.system}.log", 400)
         result["start_s"] = round(time.monotonic() - started, 1)
         print(f"{args.system} ready in {result['start_s']} s", flush=True)
         wanted = args.points.split(",")
         for seed, (name, point) in enumerate(POINTS, start=100):
             if name in wanted:
-                got = bench(url, model_dir, out, f"{args.system}-{name}", seed, **point)
+                got = bench(url, model, model_dir, out, f"{args.system}-{name}", seed, **point)
                 keep = ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
                 keep += ("output_throughput", "completed", "failed", "error")
                 result["points"][name] = {k: got.get(k) for k in keep if k in got}
