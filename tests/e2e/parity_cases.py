@@ -179,3 +179,67 @@ def sse_joined(text: str) -> list[Any]:
             data = line[6:]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def stream_view(events: list[Any]) -> dict[str, Any]:
+    """What a client of a stream sees, whatever its chunking (a server under load may merge
+    tokens into one chunk: ``vllm serve`` did): per choice the roles, the joined text (chat:
+    content, reasoning; completions: text), tool-call parts, token ids and log-probabilities
+    joined, the last finish and stop reason; the stream's fields that are the same on every
+    chunk (object, model), its usage (the last chunk that has one), its error events, and
+    whether it ended with ``[DONE]``."""
+    choices: dict[int, dict[str, Any]] = {}
+    fixed: dict[str, set[str]] = {}
+    view: dict[str, Any] = {"done": bool(events) and events[-1] == "[DONE]", "errors": []}
+    view["usage"] = None
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        if "error" in event:
+            view["errors"].append(event)
+            continue
+        for key in ("object", "model"):
+            fixed.setdefault(key, set()).add(str(event.get(key)))
+        if event.get("usage") is not None:
+            view["usage"] = event["usage"]
+        for choice in event.get("choices") or []:
+            _join_choice(choices.setdefault(choice.get("index", 0), _empty_choice()), choice)
+    view["fields"] = {key: sorted(values) for key, values in fixed.items()}
+    view["choices"] = [choices[index] for index in sorted(choices)]
+    return view
+
+
+def _empty_choice() -> dict[str, Any]:
+    return {
+        "roles": [],
+        "text": "",
+        "reasoning": "",
+        "tool_calls": [],
+        "token_ids": [],
+        "prompt_token_ids": [],
+        "logprobs": {},
+        "finish_reason": None,
+        "stop_reason": None,
+    }
+
+
+def _join_choice(seen: dict[str, Any], choice: dict[str, Any]) -> None:
+    delta = choice.get("delta")
+    if delta is not None:  # chat
+        if delta.get("role"):
+            seen["roles"].append(delta["role"])
+        seen["text"] += delta.get("content") or ""
+        seen["reasoning"] += delta.get("reasoning_content") or delta.get("reasoning") or ""
+        seen["tool_calls"] += delta.get("tool_calls") or []
+    else:  # completions
+        seen["text"] += choice.get("text") or ""
+    seen["token_ids"] += choice.get("token_ids") or []
+    seen["prompt_token_ids"] += choice.get("prompt_token_ids") or []
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):  # completions: lists by key; chat: {"content": [...]}
+        for key, values in logprobs.items():
+            if isinstance(values, list):
+                seen["logprobs"].setdefault(key, []).extend(values)
+    for key in ("finish_reason", "stop_reason"):
+        if choice.get(key) is not None:
+            seen[key] = choice[key]

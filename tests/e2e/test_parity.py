@@ -1,6 +1,7 @@
 """vLLM API parity: the same requests to ``vllm serve`` and to kvpush (``--frontend vllm``),
 in push and in pull, answer the same (``parity_cases``: status and body without ids and
-timestamps, floats to 2 decimals; errors by status and type).
+timestamps, floats to 2 decimals; errors by status and type; a stream by what its client sees,
+not by its chunks: ``stream_view``).
 
 ``vllm serve`` runs the session's tiny model aggregated, with the engine settings of kvpush's
 workers (float32, eager, block size 128, prefix caching, seed 0, the recipe's context). The
@@ -38,6 +39,7 @@ from tests.e2e.parity_cases import (
     normalized,
     sse_joined,
     stop_cases,
+    stream_view,
 )
 
 START_TIMEOUT_S = 300.0
@@ -102,7 +104,7 @@ async def _call(
         if resp.status != 200:
             return error_shape(resp.status, json.loads(text))
         if resp.content_type == "text/event-stream":
-            return normalized(sse_joined(text))
+            return normalized(stream_view(sse_joined(text)))  # not chunk by chunk
         return normalized(json.loads(text))
 
 
