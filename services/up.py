@@ -163,7 +163,12 @@ class Stack:
             gpu = gpus[n % len(gpus)] if cuda and gpus else None
             if gpu is not None:
                 argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share())]
-            for flag, value in (("--load-format", cfg.load_format), ("--dtype", cfg.dtype)):
+            for flag, value in (
+                ("--load-format", cfg.load_format),
+                ("--dtype", cfg.dtype),
+                ("--engine-core", cfg.engine_core),
+                ("--enforce-eager", cfg.enforce_eager),
+            ):
                 if value:
                     argv += [flag, value]
             for flag, limit in (

@@ -16,8 +16,10 @@ from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
 from kvpush.services.gateway.config import SETTINGS as GATEWAY_SETTINGS
 from kvpush.services.settings import ConfigError, Setting
+from kvpush.services.workers.config import SETTINGS as WORKER_SETTINGS
 
 GATEWAY = {row.name: row for row in GATEWAY_SETTINGS}  # rows up shares with the gateway
+WORKER = {row.name: row for row in WORKER_SETTINGS}  # ... and with every worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,8 @@ class UpConfig:
     gpu_memory_utilization: float | None = None  # None: 0.85 split between a GPU's engines
     load_format: str | None = None
     dtype: str | None = None
+    engine_core: str | None = None  # every worker's (see kvpush prefill --help)
+    enforce_eager: str | None = None  # every worker's
     host: str = "127.0.0.1"
     port: int = 8000
     mode: TransferMode = TransferMode.PUSH
@@ -182,6 +186,7 @@ SETTINGS: tuple[Setting, ...] = (
         "KVPUSH_DTYPE",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
+    *(WORKER[name] for name in ("engine_core", "enforce_eager")),
     *(GATEWAY[name] for name in ("host", "port", "mode", "first_token", "frontend")),
     Setting(
         "max_inflight",

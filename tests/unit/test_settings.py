@@ -204,3 +204,41 @@ def test_an_engine_on_cuda_reads_gpu_memory_over_cuda_ipc_unless_told_otherwise(
     )
     cpu = engine_env(EngineConfig(model_dir="m"), {})
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in cpu and cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tmp_path) -> None:
+    """CUDA: an engine-core process (kvpush's scheduler and worker extension in it), graphs,
+    vLLM's async scheduling; CPU: the engine on a worker thread, eager, no async scheduling.
+    --engine-core and --enforce-eager (bare: on) override, and kvpush up passes them on."""
+    from kvpush.connector import VLLM_SCHEDULER, VLLM_WORKER_EXTENSION
+    from kvpush.services.workers.engine_config import engine_env, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+
+    def engine(*flags: str) -> tuple[dict, dict]:
+        args = parser.parse_args(["--model", str(tmp_path), *flags])
+        cfg = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
+        return engine_kwargs(cfg), engine_env(cfg, {})
+
+    kwargs, env = engine("--device", "cuda")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not kwargs["enforce_eager"]
+    assert "async_scheduling" not in kwargs  # vLLM's own default
+    assert (kwargs["scheduler_cls"], kwargs["worker_extension_cls"]) == (
+        VLLM_SCHEDULER,
+        VLLM_WORKER_EXTENSION,
+    )
+    kwargs, env = engine("--device", "cpu")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["enforce_eager"]
+    assert kwargs["async_scheduling"] is False and "scheduler_cls" not in kwargs
+    kwargs, env = engine("--device", "cuda", "--engine-core", "thread", "--enforce-eager")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["enforce_eager"]
+    from kvpush.services.up import Stack
+
+    flags = ("--engine-core", "process", "--enforce-eager", "off", "--log-dir", str(tmp_path))
+    stack = Stack(UpConfig.from_args(parse(UP_SETTINGS, *flags), {}))
+    stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+    stack._plan()
+    for child in stack.workers:
+        assert child.argv[child.argv.index("--engine-core") + 1] == "process"
+        assert child.argv[child.argv.index("--enforce-eager") + 1] == "off"
