@@ -1,9 +1,10 @@
 """The common worker service: config, lifecycle, request bookkeeping, aborts, heartbeats, drain.
 
-``Worker`` owns one ``EngineHost`` (a sync vLLM ``LLMEngine`` with the kvpush connector, driven
-in process on its own thread, deliberately not ``AsyncLLM``: a decode engine waiting for pushed
-KV sleeps instead of stepping, so it costs nothing), one ``Bus`` connection, the in-flight map
-(transfer_id -> ``InFlight``; the engine request id *is* the transfer id), heartbeats on
+``Worker`` owns one engine host (``core_engine.engine_host``: a ``CoreEngineHost``, vLLM's
+``AsyncLLM`` with its engine-core process, as ``vllm serve`` runs it, the CUDA default; or an
+``EngineHost``, a sync engine stepped on a thread of this process only when there is work, the
+CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (transfer_id ->
+``InFlight``; the engine request id *is* the transfer id), heartbeats on
 ``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` and the worker's entry in the JetStream
 KV bucket of ``registry`` (key ``<role>.<id>``, value: the last heartbeat; the bucket's TTL
 drops a worker that stopped beating). ``PrefillWorker`` / ``DecodeWorker`` add what a request
@@ -15,10 +16,12 @@ stop taking requests, finish in-flight ones and the connector's pending transfer
 ``cleanup`` (deregister, stop the engine, close the bus). ``run`` does all of it and returns 0.
 
 Threading model: one asyncio loop on the main thread runs bus handlers, one task per request and
-the heartbeat task; ``EngineHost`` runs the engine (and the connector's worker half) on its
-``kvpush-engine`` thread and feeds request outputs back to the loop; the connector keeps its own
-NATS connection on its ``kvpush-bus`` thread. Bounds: at most ``max_inflight`` requests (past it
-the role's ``refuse`` answers at once), the abort memory holds ``ABORT_MEMORY`` transfer ids.
+the heartbeat task; the engine host runs the engine on its own thread (``EngineHost``:
+``kvpush-engine``, the connector's worker half too; ``CoreEngineHost``: vLLM's client on
+``kvpush-engine-client``, the engine in its own process) and feeds request outputs back; the
+connector keeps its own NATS connection on its ``kvpush-bus`` thread. Bounds: at most
+``max_inflight`` requests (past it the role's ``refuse`` answers at once), the abort memory
+holds ``ABORT_MEMORY`` transfer ids.
 """
 
 from __future__ import annotations
