@@ -3,8 +3,9 @@
 Each case is (name, feature, method, path, body) (``CASES``, and ``stop_cases`` made from the
 greedy answers so that they do stop); the suite sends it to ``vllm serve`` and to a
 kvpush stack whose gateway runs ``--frontend vllm`` (push and pull) and compares the answers
-(``normalized``). ``docs/api.md``'s parity table is generated from these cases and their
-outcomes (``tests/e2e/test_parity.py``).
+(``normalized``); a stream compares by what its client sees, not by its chunks, whose
+boundaries are timing-made (``stream_view`` of ``sse_joined``). ``docs/api.md``'s parity
+table is generated from these cases and their outcomes (``tests/e2e/test_parity.py``).
 
 Threading model: none (data and pure functions).
 """
@@ -183,11 +184,16 @@ def sse_joined(text: str) -> list[Any]:
 
 def stream_view(events: list[Any]) -> dict[str, Any]:
     """What a client of a stream sees, whatever its chunking (a server under load may merge
-    tokens into one chunk: ``vllm serve`` did): per choice the roles, the joined text (chat:
-    content, reasoning; completions: text), tool-call parts, token ids and log-probabilities
-    joined, the last finish and stop reason; the stream's fields that are the same on every
-    chunk (object, model), its usage (the last chunk that has one), its error events, and
-    whether it ended with ``[DONE]``."""
+    tokens into one chunk: ``vllm serve`` did). Per choice index: the roles (chat), the joined
+    text (completions: ``text``; chat: ``content``), the joined reasoning (``reasoning_content``,
+    ``reasoning``), the tool calls merged by their index (id, type, name, joined arguments),
+    the joined ``token_ids`` and ``prompt_token_ids``, the log-probabilities concatenated by
+    key (completions: tokens, token_logprobs, top_logprobs, text_offset; chat: content), the
+    last non-null finish and stop reason. For the stream: the values of ``object`` and
+    ``model`` over its chunks, its usage (the last chunk that has one: the final
+    ``include_usage`` chunk, or the last of ``continuous_usage_stats``), its error events as
+    they are, and whether it ended with ``[DONE]``. A plain JSON-like value (``normalized``
+    applies)."""
     choices: dict[int, dict[str, Any]] = {}
     fixed: dict[str, set[str]] = {}
     view: dict[str, Any] = {"done": bool(events) and events[-1] == "[DONE]", "errors": []}
@@ -205,7 +211,7 @@ def stream_view(events: list[Any]) -> dict[str, Any]:
         for choice in event.get("choices") or []:
             _join_choice(choices.setdefault(choice.get("index", 0), _empty_choice()), choice)
     view["fields"] = {key: sorted(values) for key, values in fixed.items()}
-    view["choices"] = [choices[index] for index in sorted(choices)]
+    view["choices"] = [_choice_view(choices[index]) for index in sorted(choices)]
     return view
 
 
@@ -213,8 +219,9 @@ def _empty_choice() -> dict[str, Any]:
     return {
         "roles": [],
         "text": "",
+        "reasoning_content": "",
         "reasoning": "",
-        "tool_calls": [],
+        "tool_calls": {},
         "token_ids": [],
         "prompt_token_ids": [],
         "logprobs": {},
@@ -225,12 +232,14 @@ def _empty_choice() -> dict[str, Any]:
 
 def _join_choice(seen: dict[str, Any], choice: dict[str, Any]) -> None:
     delta = choice.get("delta")
-    if delta is not None:  # chat
+    if isinstance(delta, dict):  # chat
         if delta.get("role"):
             seen["roles"].append(delta["role"])
         seen["text"] += delta.get("content") or ""
-        seen["reasoning"] += delta.get("reasoning_content") or delta.get("reasoning") or ""
-        seen["tool_calls"] += delta.get("tool_calls") or []
+        for key in ("reasoning_content", "reasoning"):
+            seen[key] += delta.get(key) or ""
+        for part in delta.get("tool_calls") or []:
+            _join_tool_call(seen["tool_calls"], part)
     else:  # completions
         seen["text"] += choice.get("text") or ""
     seen["token_ids"] += choice.get("token_ids") or []
@@ -243,3 +252,32 @@ def _join_choice(seen: dict[str, Any], choice: dict[str, Any]) -> None:
     for key in ("finish_reason", "stop_reason"):
         if choice.get(key) is not None:
             seen[key] = choice[key]
+
+
+def _join_tool_call(calls: dict[int, dict[str, Any]], part: dict[str, Any]) -> None:
+    """A tool call's parts, merged by its index: the id, type and name a part carries (the
+    last one given), the arguments joined."""
+    call = calls.setdefault(
+        part.get("index", 0), {"id": None, "type": None, "name": None, "arguments": ""}
+    )
+    for key in ("id", "type"):
+        if part.get(key) is not None:
+            call[key] = part[key]
+    function = part.get("function") or {}
+    if function.get("name") is not None:
+        call["name"] = function["name"]
+    call["arguments"] += function.get("arguments") or ""
+
+
+def _choice_view(seen: dict[str, Any]) -> dict[str, Any]:
+    calls = seen["tool_calls"]
+    tool_calls = [
+        {
+            "index": index,
+            "id": calls[index]["id"],
+            "type": calls[index]["type"],
+            "function": {"name": calls[index]["name"], "arguments": calls[index]["arguments"]},
+        }
+        for index in sorted(calls)
+    ]
+    return {**seen, "tool_calls": tool_calls}
