@@ -41,7 +41,7 @@ from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import weights
 from kvpush.services.workers.engine import EngineHost
 from kvpush.services.workers.engine_config import EngineConfig, engine_env, engine_kwargs
-from kvpush.services.workers.fanout import Answers, child_id, engine_params, route
+from kvpush.services.workers.fanout import Answers, open_request, route
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
@@ -279,22 +279,14 @@ class CoreEngineHost:
         self._loop.call_soon_threadsafe(command)
 
     def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
-        token_ids, cache_salt, sampling, kv_params = request
-        rid = handle.request_id
-        try:
-            ids = [child_id(rid, i) for i in range(sampling.n)]
-            if any(i in self._answers for i in ids) or rid in self._requests:
-                raise ValueError("duplicate request_id")
-            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
-        except Exception as exc:
-            log.warning("request %s rejected: %s", rid, exc)
-            handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
+        if (opened := open_request(handle, request, self._taken)) is None:
             return
-        answers = Answers(
-            rid, handle, (token_ids, cache_salt), {rid: 0}, list(enumerate(params))[1:]
-        )
-        self._requests[rid] = answers
-        self._add_answer(answers, rid, params[0])
+        answers, params = opened
+        self._requests[answers.request_id] = answers
+        self._add_answer(answers, answers.request_id, params)
+
+    def _taken(self, engine_id: str) -> bool:
+        return engine_id in self._answers or engine_id in self._requests
 
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
         from vllm.inputs.engine import tokens_input
@@ -340,26 +332,14 @@ class CoreEngineHost:
         """End a request and every answer of it in the engine."""
         if (answers := self._requests.pop(request_id, None)) is None:
             return
-        live = list(answers.live)
-        answers.live.clear()
-        answers.later.clear()
+        live, last = answers.end(reason, error)
         for engine_id in live:
             self._answers.pop(engine_id, None)
             if (task := self._tasks.pop(engine_id, None)) is not None:
                 task.cancel()  # vLLM's generate aborts its request when cancelled
         if live and self._loop is not None:
             self._loop.create_task(self._engine.abort(live))
-        answers.handle._push(
-            EngineOutput(
-                request_id,
-                [],
-                "",
-                reason,
-                error,
-                answers.kv_transfer_params,
-                answers.num_cached_tokens,
-            )
-        )
+        answers.handle._push(last)
 
 
 def engine_host(config: EngineConfig) -> EngineHost | CoreEngineHost:

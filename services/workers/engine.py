@@ -44,8 +44,8 @@ from kvpush.services.workers.engine_config import (
     engine_kwargs,
     rank_core_lists,
 )
-from kvpush.services.workers.fanout import Answers, child_id, engine_params, route
-from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
+from kvpush.services.workers.fanout import Answers, open_request, refuse, route
+from kvpush.services.workers.handles import RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
 
@@ -261,22 +261,21 @@ class EngineHost:
     def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
         from vllm.inputs.engine import tokens_input
 
-        token_ids, cache_salt, sampling, kv_params = request
-        rid = handle.request_id
-        try:
-            ids = [child_id(rid, i) for i in range(sampling.n)]
-            if any(i in self._answers for i in ids) or rid in self._requests:
-                raise ValueError("duplicate request_id")
-            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
-            self._engine.add_request(rid, tokens_input(token_ids, cache_salt=cache_salt), params[0])
-        except Exception as exc:
-            log.warning("request %s rejected: %s", rid, exc)
-            handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
+        if (opened := open_request(handle, request, self._taken)) is None:
             return
-        later = list(enumerate(params))[1:]
-        answers = Answers(rid, handle, (token_ids, cache_salt), {rid: 0}, later)
-        self._requests[rid] = answers
-        self._answers[rid] = answers
+        answers, params = opened
+        token_ids, cache_salt = answers.prompt
+        try:
+            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+            self._engine.add_request(answers.request_id, prompt, params)
+        except Exception as exc:
+            refuse(handle, exc)
+            return
+        self._requests[answers.request_id] = answers
+        self._answers[answers.request_id] = answers
+
+    def _taken(self, engine_id: str) -> bool:
+        return engine_id in self._answers or engine_id in self._requests
 
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
         from vllm.inputs.engine import tokens_input
@@ -289,26 +288,14 @@ class EngineHost:
         """End a request and every answer of it in the engine."""
         if (answers := self._requests.pop(request_id, None)) is None:
             return
-        live = list(answers.live)
-        answers.live.clear()
-        answers.later.clear()
+        live, last = answers.end(reason, error)
         for engine_id in live:
             self._answers.pop(engine_id, None)
         try:
             if live:
                 self._engine.abort_request(live)
         finally:
-            answers.handle._push(
-                EngineOutput(
-                    request_id,
-                    [],
-                    "",
-                    reason,
-                    error,
-                    answers.kv_transfer_params,  # answer 0's, if it ended already
-                    answers.num_cached_tokens,
-                )
-            )
+            answers.handle._push(last)
 
     def _route(self, out: Any) -> None:
         """One answer's ``RequestOutput`` to its request's handle; answer 0's first output

@@ -17,6 +17,7 @@ Threading model: the engine thread only (``EngineHost``'s); ``engine_params`` im
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ import msgspec
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers.handles import EngineOutput, RequestHandle
 
+log = logging.getLogger(__name__)
 FAILED = ("error", "abort")  # an answer 0 ending so before the others started: none start
 
 
@@ -120,6 +122,23 @@ class Answers:
             kv_transfer_params=self.kv_transfer_params,
         )
 
+    def end(self, reason: str, error: str | None) -> tuple[list[str], EngineOutput]:
+        """End every answer now: the engine request ids still live (the host aborts them) and
+        the request's last output (answer 0's transfer parameters, if it ended already)."""
+        live = list(self.live)
+        self.live.clear()
+        self.later.clear()
+        last = EngineOutput(
+            self.request_id,
+            [],
+            "",
+            reason,
+            error,
+            self.kv_transfer_params,
+            self.num_cached_tokens,
+        )
+        return live, last
+
     def start_later(self, add: Any) -> EngineOutput | None:
         """Hand the later answers to the engine (``add(engine_id, params)``); an answer the
         engine refuses ends "error" at once. Returns the request's last output when that ended
@@ -145,3 +164,29 @@ def route(answers: Answers, engine_id: str, delta: EngineOutput, add: Any) -> No
     answers.handle._push(answers.take(engine_id, delta))
     if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
         answers.handle._push(last)
+
+
+def open_request(
+    handle: RequestHandle, request: tuple[Any, ...], taken: Any
+) -> tuple[Answers, Any] | None:
+    """A new request's ``Answers`` and answer 0's ``SamplingParams``; ``request`` is (prompt
+    token ids, cache salt, ``SamplingSpec``, transfer parameters), ``taken(engine_id)`` says an
+    engine request id is in use. None once the handle got the refusal (a duplicate id,
+    parameters vLLM refuses)."""
+    token_ids, cache_salt, sampling, kv_params = request
+    rid = handle.request_id
+    try:
+        if any(taken(child_id(rid, i)) for i in range(sampling.n)):
+            raise ValueError("duplicate request_id")
+        params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
+    except Exception as exc:
+        refuse(handle, exc)
+        return None
+    later = list(enumerate(params))[1:]
+    return Answers(rid, handle, (token_ids, cache_salt), {rid: 0}, later), params[0]
+
+
+def refuse(handle: RequestHandle, exc: Exception) -> None:
+    """End a request the engine did not take: one final "error" output."""
+    log.warning("request %s rejected: %s", handle.request_id, exc)
+    handle._push(EngineOutput(handle.request_id, [], "", "error", f"rejected: {exc}"))
