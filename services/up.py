@@ -179,6 +179,7 @@ class Stack:
                     argv += [flag, str(limit)]
             if cfg.reasoning_parser:
                 argv += ["--reasoning-parser", cfg.reasoning_parser]
+            argv += [f"--engine-arg={flag}" for flag in cfg.engine_args_of(role)]
             metrics_port = free_port()  # vLLM's vllm:* engine metrics of this worker
             argv += ["--metrics-port", str(metrics_port)]
             log_path = Path(cfg.log_dir) / f"{name}.log"

@@ -20,6 +20,7 @@ from kvpush.services.workers.config import SETTINGS as WORKER_SETTINGS
 
 GATEWAY = {row.name: row for row in GATEWAY_SETTINGS}  # rows up shares with the gateway
 WORKER = {row.name: row for row in WORKER_SETTINGS}  # ... and with every worker
+ENGINE_ARGS = ("engine_args", "prefill_engine_args", "decode_engine_args")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,9 @@ class UpConfig:
     frontend: str = "vllm"  # the gateway's: kvpush or vllm (vLLM's serving layer)
     local_threshold: int | None = None
     vllm_args: tuple[str, ...] = ()  # the gateway's `vllm serve` flags (--frontend vllm)
+    engine_args: tuple[str, ...] = ()  # every worker's engine flags (`vllm serve`'s)
+    prefill_engine_args: tuple[str, ...] = ()  # ... and those of one role's engines, after them
+    decode_engine_args: tuple[str, ...] = ()
     reasoning_parser: str | None = None  # every worker's engine and the gateway's serving layer
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
@@ -105,9 +109,28 @@ class UpConfig:
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
         """Flags > ``KVPUSH_*`` variables > defaults (``SETTINGS``)."""
         values = settings.read(SETTINGS, args, os.environ if env is None else env)
-        if "vllm_args" in values:
-            values["vllm_args"] = tuple(values["vllm_args"])
-        return cls(**values)
+        for name in ("vllm_args", *ENGINE_ARGS):
+            if name in values:
+                values[name] = tuple(values[name])
+        config = cls(**values)
+        config.check_engine_args()
+        return config
+
+    def engine_args_of(self, role: str) -> tuple[str, ...]:
+        """The engine flags of a ``prefill`` or ``decode`` worker: everyone's, then its role's."""
+        own = self.prefill_engine_args if role == "prefill" else self.decode_engine_args
+        return (*self.engine_args, *own)
+
+    def check_engine_args(self) -> None:
+        """vLLM's parser reads each role's engine flags now, not after the workers start."""
+        from kvpush.services.workers.config import ENGINE_CORE, resolve_device
+        from kvpush.services.workers.engine_args import parse_engine_args
+
+        engine_core = self.engine_core or "auto"
+        if engine_core == "auto":
+            engine_core = ENGINE_CORE[resolve_device(self.device)]
+        for role in ("prefill", "decode"):
+            parse_engine_args(self.engine_args_of(role), engine_core=engine_core)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -203,6 +226,19 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     GATEWAY["local_threshold"],
     GATEWAY["vllm_args"],
+    WORKER["engine_args"],
+    *(
+        Setting(
+            f"{role}_engine_args",
+            (f"--{role}-engine-arg",),
+            str,
+            f"a `vllm serve` engine flag for the {role} workers' engines only, after"
+            f" --engine-arg (repeatable), e.g. --{role}-engine-arg=--max-num-batched-tokens=16384",
+            metavar="FLAG",
+            repeat=True,
+        )
+        for role in ("prefill", "decode")
+    ),
     Setting(
         "reasoning_parser",
         ("--reasoning-parser",),

@@ -33,6 +33,7 @@ from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models, settings
 from kvpush.services.settings import ConfigError, Setting
 from kvpush.services.workers.engine import EngineConfig
+from kvpush.services.workers.engine_args import parse_engine_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class WorkerConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     engine_core: str = "auto"  # auto: "process" on cuda (as vllm serve), "thread" on cpu
     enforce_eager: str = "auto"  # auto: off on cuda (torch.compile + CUDA graphs), on on cpu
+    engine_args: tuple[str, ...] = ()  # `vllm serve` engine flags, parsed by vLLM (engine_args.py)
     heartbeat_s: float = 1.0
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
     prefill_lease_s: float = 3.0  # decode: a prefill worker silent this long is probed
@@ -105,6 +107,7 @@ class WorkerConfig:
             dtype=dtype,
             engine_core=engine_core,
             enforce_eager=eager,
+            engine_args=self.engine_args,
             kv_cache_gib=self.kv_cache_gib,
             max_num_seqs=min(self.max_num_seqs, self.max_inflight),
             reasoning_parser=self.reasoning_parser,
@@ -310,6 +313,17 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
         bare="on",
     ),
+    Setting(
+        "engine_args",
+        ("--engine-arg",),
+        str,
+        "a `vllm serve` engine flag for this worker's engine, e.g."
+        " --engine-arg=--max-num-batched-tokens=16384 --engine-arg='--kv-cache-dtype fp8'"
+        " (repeatable; vLLM parses it; the flags kvpush sets itself, such as"
+        " --kv-transfer-config, are refused and name the kvpush flag to use; env: comma list)",
+        metavar="FLAG",
+        repeat=True,
+    ),
     Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 1)"),
     Setting(
         "drain_timeout_s",
@@ -403,6 +417,12 @@ def config_from_args(
             "--tp > 1 on CUDA is not supported yet: a worker runs on one GPU (--gpu); run"
             " tensor parallelism on CPU, or TP 1 per GPU"
         )
+    if values.get("engine_args"):
+        values["engine_args"] = tuple(values["engine_args"])
+        engine_core = values.get("engine_core", "auto")
+        if engine_core == "auto":
+            engine_core = ENGINE_CORE[resolve_device(values.get("device", "auto"))]
+        parse_engine_args(values["engine_args"], engine_core=engine_core)  # vLLM's errors now
     values["model_dir"] = str(Path(values.get("model_dir") or default_model_dir()).resolve())
     values.setdefault("model_name", model_name_of(values["model_dir"]))
     if "max_model_len" not in values:

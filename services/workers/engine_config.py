@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpush.connector import VLLM_SCHEDULER, VLLM_WORKER_EXTENSION
+from kvpush.services.workers.engine_args import parse_engine_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EngineConfig:
     # "thread": vLLM's sync engine core driven on a thread of this process (EngineHost);
     # "process": AsyncLLM with its engine-core process, as `vllm serve` (CoreEngineHost)
     engine_core: str = "thread"
+    engine_args: tuple[str, ...] = ()  # `vllm serve` engine flags, applied last (engine_args.py)
     max_num_seqs: int = 64
     reasoning_parser: str = ""  # vLLM's: a grammar starts where the model's reasoning ends
     log_stats: bool = False  # vLLM's engine stats (the vllm:* Prometheus series) recorded
@@ -120,4 +122,5 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     # kvpush serves vLLM's OpenAI API: the defaults vLLM picks for what `vllm serve` does
     # (max_num_batched_tokens: 8192 on an H200, 2048 per rank on CPU), not the engine
     # context's (2048 everywhere): the caller builds with UsageContext.OPENAI_API_SERVER
+    kwargs.update(parse_engine_args(cfg.engine_args, engine_core=cfg.engine_core))
     return kwargs

@@ -242,3 +242,59 @@ def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tm
     for child in stack.workers:
         assert child.argv[child.argv.index("--engine-core") + 1] == "process"
         assert child.argv[child.argv.index("--enforce-eager") + 1] == "off"
+
+
+def test_vllm_engine_flags_reach_each_roles_engines_and_the_ones_kvpush_sets_are_refused(
+    tmp_path,
+) -> None:
+    """--engine-arg carries any `vllm serve` engine flag, parsed by vLLM's own parser (its
+    types, its errors, at start); kvpush up gives --engine-arg to every worker and
+    --prefill-engine-arg / --decode-engine-arg to one role's; what kvpush sets is refused."""
+    from kvpush.services.up import Stack
+    from kvpush.services.workers.engine_config import engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+
+    def worker(*flags: str) -> worker_config.WorkerConfig:
+        args = parser.parse_args(["--model", str(tmp_path), "--device", "cpu", *flags])
+        return worker_config.config_from_args(WorkerRole.DECODE, args, {})
+
+    flags = ("--engine-arg=--max-num-batched-tokens=16384", "--engine-arg=--kv-cache-dtype auto")
+    kwargs = engine_kwargs(worker(*flags).engine_config())
+    assert kwargs["max_num_batched_tokens"] == 16384 and kwargs["kv_cache_dtype"] == "auto"
+    assert "max_num_batched_tokens" not in engine_kwargs(worker().engine_config())
+    json_flag = '--engine-arg=--compilation-config={"max_cudagraph_capture_size": 64}'
+    assert worker(json_flag).engine_args == (json_flag.removeprefix("--engine-arg="),)
+    for flag, message in (
+        ("--kv-transfer-config={}", "kvpush sets it"),
+        ("--max-num-seqs=8", "use kvpush's --max-num-seqs"),
+        ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+        ("--max-num-batched-tokens=many", "invalid"),
+        ("--async-scheduling", "use --engine-core process"),  # CPU: the thread engine core
+    ):
+        with pytest.raises(ConfigError, match=message):
+            worker(f"--engine-arg={flag}")
+
+    flags = (
+        "--engine-arg=--max-num-batched-tokens=4096",
+        "--prefill-engine-arg=--max-num-batched-tokens=16384",
+        "--decode-engine-arg=--no-enable-prefix-caching",
+    )
+    stack = Stack(UpConfig.from_args(parse(UP_SETTINGS, *flags, "--log-dir", str(tmp_path)), {}))
+    stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+    stack._plan()
+    roles = {
+        child.argv[child.argv.index("kvpush.services.cli") + 1]: child for child in stack.workers
+    }
+    for role, own in (
+        ("prefill", "--max-num-batched-tokens=16384"),
+        ("decode", "--no-enable-prefix-caching"),
+    ):
+        argv = roles[role].argv
+        args = parser.parse_args(argv[argv.index(role) + 1 :])
+        config = worker_config.config_from_args(WorkerRole(role), args, {})
+        assert config.engine_args == ("--max-num-batched-tokens=4096", own)
+    assert engine_kwargs(config.engine_config())["enable_prefix_caching"] is False
+    with pytest.raises(ConfigError, match="kvpush sets it"):
+        UpConfig.from_args(parse(UP_SETTINGS, "--decode-engine-arg=--kv-transfer-config={}"), {})
