@@ -188,6 +188,10 @@ class Stack:
             self.workers.append(child)
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
         options += ["--first-token", cfg.first_token.value, "--frontend", cfg.frontend]
+        # requests sent while the workers start wait for them as long as this command does
+        options += ["--start-timeout-s", f"{cfg.start_timeout_s:g}"]
+        if cfg.prefill == 0:  # every prompt computed on D: the gateway is ready without P
+            options += ["--required-roles", "decode"]
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
         vllm_args = list(cfg.vllm_args)

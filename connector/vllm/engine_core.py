@@ -20,6 +20,12 @@ through ``kvpush.connector.EngineLink`` happen here, through vLLM's own extensio
   its live transfers (drain waits for them), and a peer to suspect (a prefill worker whose lease
   ran out: the decode side probes it). Each returns plain values (they cross vLLM's msgpack).
 
+While a step schedules nothing and only transfers are in flight (D waiting for pushed KV, P
+for its pushes to end), vLLM's engine-core loop would step again at once, holding the GIL
+that the connector's bus thread needs to take in the KV notice and P's token (each hand-off of
+the GIL waits out Python's switch interval, 5 ms). The schedulers instead wait for the worker
+half's activity signal (``WakeListener``), ``IDLE_WAIT_S`` at most.
+
 The hand-off costs nothing on the critical path: P's token goes out with the step's own outputs
 over vLLM's output socket, one step after the receive's end (as the in-process driver did).
 
@@ -38,6 +44,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvpush.connector.params import TIMING_KEY, PrefillToken, read_params
 
 FINISHED = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED"}
+# The longest idle wait between two steps that schedule nothing (transfers in flight only): a
+# request that arrives meanwhile waits at most this long; the connector's signal ends it early.
+IDLE_WAIT_S = 0.002
 
 
 def kvpush_scheduler(*args: Any, **kwargs: Any) -> Any:
@@ -51,18 +60,38 @@ def kvpush_scheduler(*args: Any, **kwargs: Any) -> Any:
 
 
 class _PrefillTokens:
-    """The mixin of both schedulers: P's first tokens as outputs (module docstring)."""
+    """The mixin of both schedulers: P's first tokens as outputs, and the idle wait (module
+    docstring)."""
 
     connector: Any
     requests: dict[str, Any]
+    running: list[Any]
     kv_cache_manager: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._half = getattr(self.connector, "scheduler_half", None)
+        self._arrived = False  # a request was added since the last schedule()
         if self._half is not None:  # this scheduler reports P's tokens: D may continue from them
             self._half.driver_takes_tokens = True
             self._half.free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
+
+    def add_request(self, request: Any) -> None:
+        self._arrived = True
+        super().add_request(request)  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        half = self._half
+        if half is not None and half.last_step_idle and not self.running and not self._arrived:
+            # Only transfers are in progress: rather than spin (holding the GIL the connector's
+            # bus thread needs to take the KV notice and P's token in), wait for the worker
+            # half's activity signal, a moment at most (the engine core reads new requests
+            # only between steps).
+            if not half.activity.is_set():
+                half.activity.wait(IDLE_WAIT_S)
+            half.activity.clear()
+        self._arrived = False
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]

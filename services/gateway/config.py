@@ -23,6 +23,12 @@ from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
 from kvpush.services.settings import ConfigError, Setting
 
+
+def _roles(text: str) -> tuple[WorkerRole, ...]:
+    """``"prefill,decode"`` -> the roles, in that order."""
+    return tuple(WorkerRole(part.strip()) for part in text.split(",") if part.strip())
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("model", ("--model",), str, "model folder: tokenizer + config.json", metavar="DIR"),
     Setting(
@@ -107,6 +113,24 @@ SETTINGS: tuple[Setting, ...] = (
         ("--queue-timeout-s",),
         float,
         "a queued request gets 503 with Retry-After after waiting this long (default 600)",
+    ),
+    Setting(
+        "start_timeout_s",
+        ("--start-timeout-s",),
+        float,
+        "while workers start: a request that finds no worker of a --required-roles role waits"
+        " for one this long from the gateway's start, then gets 503 saying which role never"
+        " registered (default 600: a cold engine compiles for minutes)",
+        "KVPUSH_GATEWAY_START_TIMEOUT_S",
+    ),
+    Setting(
+        "required_roles",
+        ("--required-roles",),
+        _roles,
+        "the worker roles the gateway needs a live worker of to be ready (/ready, /v1/models)"
+        " and that requests wait for at start (default prefill,decode; decode alone for a"
+        " deployment without prefill workers: every prompt computed on D)",
+        metavar="ROLES",
     ),
     Setting(
         "request_timeout_s",
@@ -207,6 +231,8 @@ class GatewayConfig:
     max_queued: int = 4096  # ... and waiting for a slot (past it: 429)
     queue_timeout_s: float = 600.0  # the longest wait for a slot (then 503)
     request_timeout_s: float = 300.0  # start -> first token
+    start_timeout_s: float = 600.0  # requests wait this long from start for the first workers
+    required_roles: tuple[WorkerRole, ...] = (WorkerRole.PREFILL, WorkerRole.DECODE)
     stream_idle_timeout_s: float = 300.0  # first token on: the longest gap between tokens
     api_keys: tuple[str, ...] = ()
     worker_lease_s: float = 3.0  # a worker is alive while heartbeats arrive within this
@@ -223,10 +249,12 @@ class GatewayConfig:
         if self.mode not in (TransferMode.PUSH, TransferMode.PULL):
             raise ConfigError("--mode must be push or pull")
         positive = ("max_inflight", "request_timeout_s", "worker_lease_s", "max_body_bytes")
-        timeouts = ("queue_timeout_s", "stream_idle_timeout_s")
+        timeouts = ("queue_timeout_s", "stream_idle_timeout_s", "start_timeout_s")
         for name in (*positive, *timeouts, "stream_buffer_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if WorkerRole.DECODE not in self.required_roles:
+            raise ConfigError("--required-roles must include decode: decode answers every request")
         if self.max_queued < 0:
             raise ConfigError("max_queued must be >= 0")
         if self.local_threshold < 0 or not 0 <= self.port <= 65535:

@@ -75,6 +75,7 @@ class GatewayApi:
         self.draining = False
         self.routes: OpenAIRoutes | None = None  # --frontend vllm
         self.started = int(time.time())
+        self.started_at = time.monotonic()  # requests wait for workers start_timeout_s from it
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
         self.recent = RecentRequests()
         self.observer = Observer(metrics, self.recent)
@@ -122,6 +123,11 @@ class GatewayApi:
         try:
             if request.path.startswith("/v1/") and self.config.api_keys:
                 self._authorize(request)
+            if request.path == "/v1/models" and (missing := self.missing()):
+                # as /ready: `vllm serve` lists its model only once its engine is up
+                raise api.ApiError(
+                    503, "not ready: " + "; ".join(missing), type_="service_unavailable"
+                )
             response = await handler(request)
             status = response.status
             return response
@@ -166,13 +172,44 @@ class GatewayApi:
     async def health(self, request: web.Request) -> web.Response:
         return json_response({"status": "ok", "gateway_id": self.config.gateway_id})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    def missing(self) -> list[str]:
+        """What keeps the gateway from serving (``/ready`` and ``/v1/models`` answer 503 on it):
+        a required role without a live worker, the bus, draining."""
         counts = self.router.registry.counts()
-        missing = [f"no live {role} worker" for role, n in counts.items() if n == 0]
+        roles = self.config.required_roles
+        missing = [f"no live {role.value} worker" for role in roles if counts[role.value] == 0]
         if not self.bus.is_connected:
             missing.append("not connected to NATS")
         if self.draining:
             missing.append("gateway is shutting down")
+        return missing
+
+    async def wait_for_workers(self) -> None:
+        """While workers start, hold a request until a worker of each required role has
+        registered (up to ``start_timeout_s`` from the gateway's start), then 503 saying which
+        never did. Once one has, a role without a live worker is routing's (503 or LOCAL)."""
+        registry, timeout_s = self.router.registry, self.config.start_timeout_s
+        for role in self.config.required_roles:
+            if registry.seen(role):
+                continue
+            left_s = max(0.0, self.started_at + timeout_s - time.monotonic())
+            with _tracer.start_as_current_span("gateway.wait_for_workers") as span:
+                span.set_attribute("kvpush.role", role.value)
+                try:
+                    await asyncio.wait_for(registry.wait_for(role), left_s)
+                except TimeoutError:
+                    raise api.ApiError(
+                        503,
+                        f"no {role.value} worker has registered in the {timeout_s:g} s since the"
+                        " gateway started: are the workers running? (/ready lists what is"
+                        " missing)",
+                        type_="service_unavailable",
+                        code="workers_not_ready",
+                    ) from None
+
+    async def ready(self, request: web.Request) -> web.Response:
+        counts = self.router.registry.counts()
+        missing = self.missing()
         body = {
             "ready": not missing,
             "missing": missing,
@@ -236,6 +273,7 @@ class GatewayApi:
                 with _tracer.start_as_current_span(
                     "gateway.request", kind=SpanKind.SERVER, attributes=attributes
                 ) as span:
+                    await self.wait_for_workers()
                     yield span
             finally:
                 self.metrics.in_flight.dec()

@@ -22,6 +22,9 @@ or, with no prefill worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull ne
 heartbeat's ``sends_first_token``) and P's token gives the answer one engine gives
 (``samples_on_prefill``), else decode.
 
+``wait_for(role)`` returns once a worker of ``role`` has been seen since the registry started
+(the gateway holds requests on it while workers start).
+
 Bounds: at most ``max_workers`` entries; heartbeats of further workers are dropped and counted.
 Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
 no locks, no awaits inside a selection.
@@ -29,6 +32,7 @@ no locks, no awaits inside a selection.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -102,6 +106,7 @@ class WorkerRegistry:
         self.stats = RegistryStats()
         self._clock = clock
         self._workers: dict[tuple[WorkerRole, str], WorkerState] = {}
+        self._seen = {role: asyncio.Event() for role in WorkerRole}  # set: a worker was seen
 
     async def on_message(self, subject: str, message: BusMessage) -> None:
         """Bus handler for ``kvpush.v1.heartbeat.>``."""
@@ -128,6 +133,7 @@ class WorkerRegistry:
                 self.stats.model_mismatch.add(hb.worker_id)
                 log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
             self._workers[key] = WorkerState(hb, now)
+            self._seen[hb.role].set()
             return
         if hb.epoch < state.heartbeat.epoch:
             return  # a late heartbeat of a previous incarnation
@@ -135,6 +141,14 @@ class WorkerRegistry:
             self.stats.restarts += 1
             log.warning("worker %s restarted (epoch %d)", hb.worker_id, hb.epoch)
         state.heartbeat, state.seen_at, state.sent_since_heartbeat = hb, now, 0
+
+    def seen(self, role: WorkerRole) -> bool:
+        """Whether a worker of ``role`` has sent a heartbeat since the registry started."""
+        return self._seen[role].is_set()
+
+    async def wait_for(self, role: WorkerRole) -> None:
+        """Return once a worker of ``role`` has been seen (at once if one has been)."""
+        await self._seen[role].wait()
 
     def _prune(self, now: float) -> None:
         for key in [k for k, s in self._workers.items() if now - s.seen_at > self.lease_s]:

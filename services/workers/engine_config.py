@@ -105,6 +105,13 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         kwargs.update(disable_log_stats=False)
         if cfg.kv_transfer_config:
             kwargs.update(scheduler_cls=VLLM_SCHEDULER, worker_extension_cls=VLLM_WORKER_EXTENSION)
+        if (cfg.kv_transfer_config or {}).get("kv_role") == "kv_producer":
+            # P: a step's forward returns once its layers were handed to the push (the
+            # connector's wait_for_save), so with async scheduling the engine thread sat in
+            # step N+1's forward before it handed out step N's first tokens: under load each
+            # first token waited one more prefill (100 ms at 8 req/s on the H200). A prefill
+            # engine has nothing to overlap anyway: every request is one long step.
+            kwargs.update(async_scheduling=False)
     else:
         kwargs.update(disable_log_stats=not cfg.log_stats)  # on: vllm:* metrics
         # EngineHost drives the engine one synchronous step at a time and sleeps after a step

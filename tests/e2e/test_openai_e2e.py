@@ -219,16 +219,22 @@ async def test_over_the_inflight_limit_is_429(
     await assert_serving(up_stack)
 
 
-async def test_a_gateway_without_workers_answers_503(
+async def test_a_gateway_without_workers_holds_requests_then_answers_503(
     up_stack: UpStack, start_gateway: GatewayFactory
 ) -> None:
     with EmbeddedNats() as empty:
-        gateway = await start_gateway(nats_url=empty.url, ready=False)
+        # a request waits for workers this long from the gateway's start, then 503 says why
+        gateway = await start_gateway(nats_url=empty.url, ready=False, start_timeout_s=1.0)
         client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIStatusError) as unavailable:
             await complete(client, "anyone?", "push")
         assert unavailable.value.status_code == 503
-        assert error_of(unavailable.value)["code"] == "no_workers"
+        error = error_of(unavailable.value)
+        assert error["code"] == "workers_not_ready", error
+        assert "no prefill worker has registered in the 1 s" in error["message"]
+        with pytest.raises(openai.APIStatusError) as listing:
+            await client.models.list()
+        assert listing.value.status_code == 503
         async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/ready") as r:
             assert r.status == 503 and not (await r.json())["ready"]
         await gateway.stop()

@@ -9,7 +9,11 @@ per point. A probe to settle the engine mode on the device, not the committed be
 
 Run on the GPU host (the vLLM bundle on PYTHONPATH, nats-server on PATH)::
 
-    python3 -m tests.gpu.gpu_engine --out $OUT --system kvpush [--worker-flag=--enforce-eager]
+    python3 -m tests.gpu.gpu_engine --out $OUT --system kvpush [--flag=--enforce-eager]
+
+``--trace TAG`` (kvpush): every service traces to ``OUT/TAG-trace.jsonl``; after the points
+the stack stops and ``kvpush ttft`` writes the TTFT breakdown to ``OUT/TAG-ttft.txt`` and
+``OUT/TAG-ttft.json``.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def main() -> int:
     parser.add_argument("--flag", action="append", default=[], help="extra flag of the system")
     parser.add_argument("--points", default=",".join(name for name, _ in POINTS))
     parser.add_argument("--port", type=int, default=8431)
+    parser.add_argument("--trace", metavar="TAG", help="kvpush: trace and break TTFT down")
+    parser.add_argument("--start-timeout-s", type=float, default=400.0)
     args = parser.parse_args()
     ensure_kvpush_importable()
     from kvpush.services import models
@@ -104,20 +110,25 @@ def main() -> int:
     model_dir = models.build_model(models.LLAMA_8B, Path("/tmp/kvpush-llama-8b"))
     url = f"http://127.0.0.1:{args.port}"
     result: dict[str, Any] = {"system": args.system, "flags": args.flag, "points": {}}
+    flags = list(args.flag)
+    trace = out / f"{args.trace}-trace.jsonl" if args.trace else None
+    if trace is not None:
+        flags += ["--trace-file", str(trace)]
+    name = args.trace or args.system
     started = time.monotonic()
-    proc = start(args.system, out, model_dir, args.port, args.flag)
+    proc = start(args.system, out, model_dir, args.port, flags)
     try:
-        model = wait_ready(proc, url, out / f"{args.system}.log", 400)
+        model = wait_ready(proc, url, out / f"{args.system}.log", args.start_timeout_s)
         result["start_s"] = round(time.monotonic() - started, 1)
         print(f"{args.system} ready in {result['start_s']} s", flush=True)
         wanted = args.points.split(",")
-        for seed, (name, point) in enumerate(POINTS, start=100):
-            if name in wanted:
-                got = bench(url, model, model_dir, out, f"{args.system}-{name}", seed, **point)
+        for seed, (point_name, point) in enumerate(POINTS, start=100):
+            if point_name in wanted:
+                got = bench(url, model, model_dir, out, f"{name}-{point_name}", seed, **point)
                 keep = ("median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms")
                 keep += ("output_throughput", "completed", "failed", "error")
-                result["points"][name] = {k: got.get(k) for k in keep if k in got}
-                print(name, result["points"][name], flush=True)
+                result["points"][point_name] = {k: got.get(k) for k in keep if k in got}
+                print(point_name, result["points"][point_name], flush=True)
     except Exception as exc:
         result["error"] = repr(exc)[:2000]
         print("ERROR", result["error"], flush=True)
@@ -128,7 +139,14 @@ def main() -> int:
                 proc.wait(60)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    (out / f"{args.system}.json").write_text(json.dumps(result, indent=1))
+    if trace is not None and trace.exists():
+        argv = [sys.executable, "-m", "kvpush.services.cli", "ttft", str(trace)]
+        argv += ["--json", str(out / f"{name}-ttft.json")]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        summary = done.stdout + done.stderr
+        (out / f"{name}-ttft.txt").write_text(summary)
+        print(summary[-2500:], flush=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     return 0 if "error" not in result else 1
 
 

@@ -64,6 +64,22 @@ engine-kvpush|engine-vllm-serve)
     timeout 580 setsid python3 -m tests.gpu.gpu_engine --out "$out/engine" \
         --system "${step#engine-}" ${ENGINE_FLAGS:-} 2>&1 | tail -30
     ;;
+engine-breakdown)
+    # issue 29: the TTFT breakdown (kvpush ttft) at c=1 and 8 req/s, engine-core process, then
+    # the same with the engine on a worker thread (CUDA graphs both)
+    timeout 330 setsid python3 -m tests.gpu.gpu_engine --out "$out/engine" --trace process \
+        --points c1-2048,r8-2048 --start-timeout-s 280 2>&1 | tail -40
+    pkill -f "vllm|kvpush.services|nats-server" 2>/dev/null; sleep 3
+    timeout 240 setsid python3 -m tests.gpu.gpu_engine --out "$out/engine" --trace thread \
+        --points c1-2048,r8-2048 --start-timeout-s 190 --flag=--engine-core=thread 2>&1 | tail -40
+    ;;
+engine-trace)
+    # issue 29: one traced kvpush run (ENGINE_FLAGS: extra kvpush up flags), packed as one file
+    timeout 480 setsid python3 -m tests.gpu.gpu_engine --out "$out/engine" --trace trace \
+        --points "${POINTS:-c1-2048,c1-8192,r8-2048}" --start-timeout-s 300 ${ENGINE_FLAGS:-} \
+        2>&1 | tail -16
+    tar czf "$out/engine-trace.tgz" -C "$out" engine && rm -rf "$out/engine"
+    ;;
 check-vllm)
     # the same with the gateway's vLLM frontend (vLLM 0.26's serving layer) and its API features
     timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check-vllm" --repeats 1 \

@@ -130,9 +130,11 @@ async def test_short_prompts_go_local_long_ones_use_the_mode_and_requests_may_ov
 async def test_without_prefill_decode_serves_alone_unless_a_transfer_is_asked_for(
     stack: StackFactory,
 ) -> None:
-    s = await stack(prefill=())
+    """A deployment without prefill workers (--required-roles decode: `kvpush up --prefill
+    0`) is ready with D alone, which computes every prompt."""
+    s = await stack(prefill=(), required_roles=(WorkerRole.DECODE,))
     status, ready = await s.call("GET", "/ready")
-    assert status == 503 and ready["missing"] == ["no live prefill worker"]
+    assert status == 200 and ready["missing"] == [] and ready["workers"]["prefill"] == 0
     status, _ = await s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 200
     assert s.decode.events[0].prefill_id == DECODE_ONLY
@@ -146,13 +148,27 @@ async def test_without_prefill_decode_serves_alone_unless_a_transfer_is_asked_fo
 
 
 async def test_ready_follows_heartbeats_leases_and_draining(stack: StackFactory, bus: Bus) -> None:
+    """/v1/models agrees with /ready; a request sent before any worker registered waits for
+    one of each role and is answered once they are up (workers start after the gateway)."""
     s = await stack(prefill=(), decode=())
     status, ready = await s.call("GET", "/ready")
     assert status == 503 and len(ready["missing"]) == 2
+    status, models = await s.call("GET", "/v1/models")
+    assert status == 503 and models["error"]["message"] == "not ready: " + "; ".join(
+        ready["missing"]
+    )
     assert (await s.call("GET", "/health"))[0] == 200
-    p = await FakeWorker(bus, WorkerRole.PREFILL, "rp").start()
+    early = asyncio.create_task(s.post("/v1/completions", {"prompt": "early", "max_tokens": 2}))
+    await asyncio.sleep(0.3)
+    assert not early.done()  # held, not refused
     d = await FakeWorker(bus, WorkerRole.DECODE, "rd").start()
+    await asyncio.sleep(0.3)
+    assert not early.done()  # ... until prefill has a worker too
+    p = await FakeWorker(bus, WorkerRole.PREFILL, "rp").start()
     s.workers += [p, d]
+    status, answer = await asyncio.wait_for(early, 10)
+    assert status == 200 and answer["choices"][0]["text"], answer
+    assert (await s.call("GET", "/v1/models"))[0] == 200
 
     async def ready_is(code: int) -> None:
         deadline = time.monotonic() + 3
