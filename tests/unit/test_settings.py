@@ -228,6 +228,10 @@ def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tm
         VLLM_SCHEDULER,
         VLLM_WORKER_EXTENSION,
     )
+    args = parser.parse_args(["--model", str(tmp_path), "--device", "cuda"])
+    prefill = worker_config.config_from_args(WorkerRole.PREFILL, args, {}).engine_config()
+    # P's forward waits for the layer hand-off: async scheduling held each first token back
+    assert engine_kwargs(prefill)["async_scheduling"] is False
     kwargs, env = engine("--device", "cpu")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["enforce_eager"]
     assert kwargs["async_scheduling"] is False and "scheduler_cls" not in kwargs
