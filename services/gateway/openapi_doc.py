@@ -129,7 +129,11 @@ def build_document(
     models = {
         "summary": "The served model.",
         "tags": ["OpenAI"],
-        "responses": {"200": _json("The one served model.", ref("ModelList")), **unauthorized},
+        "responses": {
+            "200": _json("The one served model.", ref("ModelList")),
+            **unauthorized,
+            "503": _error("Not ready, as /ready says (workers starting or lost, the bus)."),
+        },
     }
     paths: dict[str, Any] = {
         "/v1/completions": {"post": {**completions, **security}},
