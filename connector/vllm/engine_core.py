@@ -15,6 +15,8 @@ through ``kvpush.connector.EngineLink`` happen here, through vLLM's own extensio
   ends the request here (its timing marks ride on that output); one that does not was made the
   request's last prompt token by the scheduler half (``compat.continue_from``), so the request's
   first step samples the second token.
+- On the prefill side the same schedulers send P's first tokens to D themselves, right after
+  the step's outputs exist (``token_sender.FirstTokenSender``), not through the worker.
 - ``KVPushWorkerExtension`` (``worker_extension_cls``): methods on every rank's vLLM worker that
   the driver calls with ``collective_rpc``: the rank's identity (side channel, for heartbeats),
   its live transfers (drain waits for them), and a peer to suspect (a prefill worker whose lease
@@ -42,6 +44,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpush.connector.params import TIMING_KEY, PrefillToken, read_params
+from kvpush.connector.vllm.token_sender import FirstTokenSender
 
 FINISHED = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED"}
 # The longest idle wait between two steps that schedule nothing (transfers in flight only): a
@@ -72,13 +75,23 @@ class _PrefillTokens:
         super().__init__(*args, **kwargs)
         self._half = getattr(self.connector, "scheduler_half", None)
         self._arrived = False  # a request was added since the last schedule()
+        self._sender: FirstTokenSender | None = None  # prefill: P's tokens straight to D
         if self._half is not None:  # this scheduler reports P's tokens: D may continue from them
             self._half.driver_takes_tokens = True
             self._half.free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
+            if not self._half.is_decode:
+                self._sender = FirstTokenSender(self._half.settings)
 
     def add_request(self, request: Any) -> None:
         self._arrived = True
+        if self._sender is not None:
+            self._sender.watch(request)
         super().add_request(request)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        super().shutdown()  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         half = self._half
@@ -95,6 +108,9 @@ class _PrefillTokens:
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._sender is not None:  # prefill: the tokens of this step, to D now
+            self._sender.send(outputs)
+            self._sender.forget(self.requests)
         if self._half is not None and (tokens := self._half.take_prefill_tokens()):
             self._report(tokens, outputs)
         return outputs

@@ -111,6 +111,8 @@ class CoreEngineHost:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # kvpush's scheduler in the engine-core process sends P's first tokens to D itself
+        self.sends_first_tokens = bool(config.kv_transfer_config)
         self.link = CoreLink(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

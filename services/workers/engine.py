@@ -55,6 +55,7 @@ class EngineHost:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.sends_first_tokens = False  # the prefill worker sends P's first tokens itself
         self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
         self._requests: dict[str, Answers] = {}  # engine thread only: by request id
         self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer

@@ -68,7 +68,8 @@ class PrefillWorker(Worker):
         final = None
         async for final in handle:  # noqa: B007  (only the last output matters)
             pass
-        if samples_first and final is not None and final.token_ids and not final.error:
+        sent = self.host.sends_first_tokens  # process mode: P's engine core sent it to D
+        if samples_first and not sent and final is not None and final.token_ids and not final.error:
             await self._send_first_token(event, final)
         if final is not None and final.error and final.error.startswith(REJECTED):
             # The connector never saw this request, so nothing of it is in flight: tell D.
