@@ -222,7 +222,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_num_seqs",
         ("--max-num-seqs",),
         int,
-        "requests each engine batches in one step (default: the workers' 64)",
+        "requests each engine batches in one step (default: the workers': vLLM's on cuda, 64"
+        " on cpu)",
     ),
     GATEWAY["local_threshold"],
     GATEWAY["vllm_args"],

@@ -49,7 +49,9 @@ class WorkerConfig:
     tensor_parallel_size: int = 1  # > 1: one worker process per rank (vLLM's mp executor)
     executor: str = ""  # "uni" or "mp"; "": uni at TP 1, mp above
     max_inflight: int = 1024  # accepted at once (batched or queued in the engine); past it: refused
-    max_num_seqs: int = 64  # requests the engine batches in one step; the rest wait in its queue
+    # requests the engine batches in one step, the rest wait in its queue; None: per device
+    # (cuda: vLLM's own default, as `vllm serve`; cpu: 64, DEFAULT_MAX_NUM_SEQS)
+    max_num_seqs: int | None = None
     reasoning_parser: str = ""  # vLLM's (e.g. deepseek_r1): grammars start after the reasoning
     max_model_len: int = 4096
     kv_cache_gib: int = 1
@@ -97,6 +99,7 @@ class WorkerConfig:
         dtype = self.dtype if self.dtype != "auto" else DEFAULT_DTYPE[device]
         engine_core = self.engine_core if self.engine_core != "auto" else ENGINE_CORE[device]
         eager = self.enforce_eager == "on" or (self.enforce_eager == "auto" and device == "cpu")
+        seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
         return EngineConfig(
             model_dir=self.model_dir,
             max_model_len=self.max_model_len,
@@ -109,7 +112,7 @@ class WorkerConfig:
             enforce_eager=eager,
             engine_args=self.engine_args,
             kv_cache_gib=self.kv_cache_gib,
-            max_num_seqs=min(self.max_num_seqs, self.max_inflight),
+            max_num_seqs=min(seqs, self.max_inflight) if seqs else None,
             reasoning_parser=self.reasoning_parser,
             log_stats=self.metrics_port is not None,
             cpu_cores=self.cpu_cores,
@@ -126,6 +129,9 @@ class WorkerConfig:
 
 
 DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
+# Requests an engine batches in one step. CUDA: vLLM's default for the GPU and `vllm serve`
+# (1024 on an H200); CPU: 64 (a 1 GiB KV pool holds few long prompts at once anyway).
+DEFAULT_MAX_NUM_SEQS: dict[str, int | None] = {"cpu": 64, "cuda": None}
 # Where vLLM's engine core runs by default. CUDA: its own process, as `vllm serve` (the GPU
 # works while the client detokenizes and the worker serves the bus). CPU: a thread of the
 # worker, stepped only when there is work: on a 2-core box an engine-core process per engine
@@ -236,7 +242,8 @@ SETTINGS: tuple[Setting, ...] = (
         "max_num_seqs",
         ("--max-num-seqs",),
         int,
-        "requests the engine batches in one step (vLLM's max_num_seqs; default 64)",
+        "requests the engine batches in one step (vLLM's max_num_seqs; default: vLLM's on"
+        " cuda, as `vllm serve`; 64 on cpu)",
     ),
     Setting(
         "reasoning_parser",

@@ -38,7 +38,7 @@ class EngineConfig:
     # "process": AsyncLLM with its engine-core process, as `vllm serve` (CoreEngineHost)
     engine_core: str = "thread"
     engine_args: tuple[str, ...] = ()  # `vllm serve` engine flags, applied last (engine_args.py)
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = 64  # None: vLLM's default for the device
     reasoning_parser: str = ""  # vLLM's: a grammar starts where the model's reasoning ends
     log_stats: bool = False  # vLLM's engine stats (the vllm:* Prometheus series) recorded
     cpu_cores: list[int] | None = None
@@ -96,6 +96,8 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     # These EngineConfig fields have the names of EngineArgs fields.
     names = ("dtype", "enforce_eager", "max_model_len", "block_size", "seed", "max_num_seqs")
     kwargs = {name: getattr(cfg, name) for name in (*names, "enable_prefix_caching")}
+    if cfg.max_num_seqs is None:
+        del kwargs["max_num_seqs"]  # vLLM's default for the device
     kwargs.update(model=str(cfg.model_dir))
     kwargs.update(load_format=cfg.load_format)
     if cfg.engine_core == "process":

@@ -96,7 +96,7 @@ def test_worker_flags_parse_into_the_config(tmp_path) -> None:
     args = parser.parse_args(["--cpus", "0-2", "--nats", "nats://h:1", "--model", str(tmp_path)])
     config = worker_config.config_from_args(WorkerRole.PREFILL, args, {"KVPUSH_HEARTBEAT_S": "2"})
     assert config.cpu_cores == [0, 1, 2] and config.nats_url == "nats://h:1"
-    assert config.heartbeat_s == 2.0 and config.max_inflight == 1024 and config.max_num_seqs == 64
+    assert config.heartbeat_s == 2.0 and config.max_inflight == 1024 and config.max_num_seqs is None
 
 
 def test_worker_and_up_configs_raise_config_errors_not_exits(tmp_path) -> None:
@@ -224,6 +224,7 @@ def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tm
     kwargs, env = engine("--device", "cuda")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not kwargs["enforce_eager"]
     assert "async_scheduling" not in kwargs  # vLLM's own default
+    assert "max_num_seqs" not in kwargs  # ... and vLLM's batch size for the GPU
     assert (kwargs["scheduler_cls"], kwargs["worker_extension_cls"]) == (
         VLLM_SCHEDULER,
         VLLM_WORKER_EXTENSION,
@@ -235,6 +236,7 @@ def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tm
     kwargs, env = engine("--device", "cpu")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["enforce_eager"]
     assert kwargs["async_scheduling"] is False and "scheduler_cls" not in kwargs
+    assert kwargs["max_num_seqs"] == 64
     kwargs, env = engine("--device", "cuda", "--engine-core", "thread", "--enforce-eager")
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and kwargs["enforce_eager"]
     from kvpush.services.up import Stack
