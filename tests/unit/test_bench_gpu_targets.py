@@ -95,3 +95,59 @@ def test_with_prefill_s_first_token_decode_s_hand_off_is_kvpush_s_own_time() -> 
     rows = summary.rows(document)
     g5 = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}["G5"]
     assert [(p.label, p.value, p.met) for p in g5.points] == [("c=1", 14.7, False)]
+
+
+def _engines_document(starts: dict[str, list[float]]) -> results.Document:
+    """kvpush-push against vllm-serve and vLLM's P/D, every engine on its default flags."""
+    points = []
+    figures = {  # system: (TTFT P50, P99 is twice; TPOT; out tok/s at qps 8)
+        "kvpush-push": (60.0, 5.0, 480.0),
+        "vllm-serve": (56.0, 4.8, 500.0),
+        "vllm-pull-tuned": (75.0, 5.0, 450.0),
+        "vllm-push": (70.0, 4.9, 470.0),
+    }
+    for system, (ttft, tpot, out) in figures.items():
+        for point, req_s in (("c=1", 1.0), ("qps 4", 4.0), ("qps 8", 7.0), ("qps 12", 8.0)):
+            for repeat, start_s in enumerate(starts.get(system, [100.0])):
+                loaded = ttft * (3 if point == "qps 12" else 1)
+                points.append(
+                    _point(
+                        system,
+                        point,
+                        loaded,
+                        req_s if system == "vllm-serve" else min(req_s, 7.5),
+                        repeat=repeat,
+                        start_s=start_s,
+                        tpot_ms={"mean": tpot, "p50": tpot, "p99": tpot},
+                        output_throughput=out if point != "c=1" else 10.0,
+                    )
+                )
+    meta = {"device": "cuda", "tables": ["random:2048"], "repeats": 2, "output_len": 64}
+    return results.loads(json.dumps({"schema": 2, "meta": meta, "points": points}))
+
+
+def test_a_run_with_vllm_serve_is_judged_by_the_engine_targets() -> None:
+    """With vllm-serve among the systems: TPOT and TTFT against it (P99 up to its knee,
+    throughput past it), P99 and TPOT against vLLM's P/D, cold start and restart."""
+    from kvpush.services.bench.serve import summary_engines
+
+    document = _engines_document({"kvpush-push": [150.0, 55.0], "vllm-serve": [100.0, 40.0]})
+    rows = summary.rows(document)
+    assert summary_engines.knees(rows) == {("random", 2048): 8.0}
+    found = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}
+    assert "G1" not in found and {"E1", "E9", "E10", "G5", "G6"} <= set(found)
+    e1 = found["E1"]  # TPOT 5.0 / 4.8 = 1.042 at every point
+    assert e1.verdict == "met" and len(e1.points) == 4 and e1.points[0].value == 1.042
+    assert [(p.label, p.value) for p in found["E2"].points] == [("c=1", 1.071)]
+    assert found["E2"].verdict == "missed"
+    assert [p.label for p in found["E3"].points] == ["c=1", "qps 4", "qps 8"]  # up to 8 req/s
+    e4 = found["E4"]  # past the knee: qps 12; 480 / 500
+    assert [(p.label, p.value, p.met) for p in e4.points] == [("qps 12", 0.96, True)]
+    assert found["E5"].verdict == "missed"  # 75 / 60 = 1.25 < 1.5
+    assert found["E7"].verdict == "met" and found["E8"].verdict == "missed"  # 5.0 vs 4.9
+    assert [(p.value, p.met) for p in found["E9"].points] == [(1.5, True)]  # 150 / 100
+    assert [(p.value, p.met) for p in found["E10"].points] == [(55.0, True)]
+    once = _engines_document({"kvpush-push": [150.0], "vllm-serve": [100.0]})
+    again = {v.key: v for v in summary_gpu.verdicts_of(once, summary.rows(once))}
+    assert again["E10"].verdict == "not measured"  # one start: no restart measured
+    assert "E1: TPOT mean <= 1.10x vllm-serve" in report.render(document)

@@ -332,8 +332,34 @@ def test_on_cuda_every_system_runs_the_bench_s_gpu_settings(tmp_path: Path) -> N
     assert kvpush[kvpush.index("--device") + 1] == "cuda" and "--gpus" in kvpush
     assert kvpush[kvpush.index("--load-format") + 1] == "dummy"
     cpu = BenchContext(tmp_path, "m", tmp_path)
-    assert vllm_systems.serve_argv(cpu, spec, False)[argv.index("--dtype") + 1] == "float32"
-    assert "--gpu-memory-utilization" not in vllm_systems.serve_argv(cpu, spec, False)
+    cpu_argv = vllm_systems.serve_argv(cpu, spec, False)
+    assert cpu_argv[cpu_argv.index("--dtype") + 1] == "float32"
+    assert "--gpu-memory-utilization" not in cpu_argv
+    # CPU: kvpush's engine settings, eager; GPU: vLLM's own defaults (graphs, block size, batch)
+    assert {"--enforce-eager", "--block-size", "--max-num-seqs", "--disable-log-stats"} <= set(
+        cpu_argv
+    )
+    assert not {"--enforce-eager", "--block-size", "--max-num-seqs", "--disable-log-stats"} & set(
+        argv
+    )
+    assert "--enforce-eager" in vllm_systems.serve_argv(ctx, spec, False, eager=True)
+    assert "--max-num-seqs" not in kvpush and "--enforce-eager" not in kvpush
+    assert "--max-num-seqs" in KvpushPush().argv(cpu, 4321)
+
+
+def test_gpu_systems_run_on_default_flags_and_eager_rows_are_named_so() -> None:
+    """On a GPU the default systems are kvpush's two modes, vLLM's P/D as shipped (pull with
+    its cuda_ipc lane, push) and vllm-serve; any of them with --enforce-eager is NAME-eager."""
+    from kvpush.services.bench.serve import GPU_SYSTEMS, run
+
+    assert plan.from_args(_args("--device", "cuda")).systems == GPU_SYSTEMS
+    assert "vllm-serve" in GPU_SYSTEMS and not any(s.endswith("-eager") for s in GPU_SYSTEMS)
+    classes = run.system_classes()
+    for name in GPU_SYSTEMS:
+        eager = classes[f"{name}-eager"]
+        assert eager.name == f"{name}-eager" and eager.eager and not classes[name].eager
+        assert issubclass(eager, classes[name])
+    plan.from_args(_args("--device", "cuda", "--systems", "kvpush-push,vllm-serve-eager"))
 
 
 def test_the_tuned_pull_is_a_gpu_system_and_default_only_there() -> None:

@@ -9,7 +9,7 @@ aggregated engine on core 0) and the same request trace, and drives it over HTTP
   kvpush-pull   kvpush up --mode pull (D READs P's blocks after prefill)
   vllm-pull     two vLLM OpenAI servers with NixlConnector and a sequential proxy
   vllm-push     two vLLM OpenAI servers with NixlPushConnector, both legs sent at once
-  aggregated    one vLLM OpenAI server, no disaggregation
+  aggregated    one vLLM OpenAI server, no disaggregation (on cuda: vllm-serve, its defaults)
 
 Tables (--tables): one per dataset and input length, e.g. random:2048 or sonnet:2048; every
 system runs every point of every table in one invocation. Load: Poisson arrivals at a QPS
@@ -38,15 +38,23 @@ from __future__ import annotations
 
 import argparse
 
+CPU_SYSTEMS = ("kvpush-push", "kvpush-pull", "vllm-pull", "vllm-push", "aggregated")
+# GPU: every engine on the flags its users give it (vLLM's defaults: CUDA graphs, async
+# scheduling); vllm-serve is the aggregated engine as `vllm serve` runs it; vllm-pull-tuned
+# is vLLM's pull with its READ on cuda_ipc (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on)
+GPU_SYSTEMS = ("kvpush-push", "kvpush-pull", "vllm-pull-tuned", "vllm-push", "vllm-serve")
+# extra rows: the same with --enforce-eager, named so (never in the defaults)
+EAGER_SYSTEMS = tuple(f"{name}-eager" for name in (*GPU_SYSTEMS, "vllm-pull"))
 ALL_SYSTEMS = (
     "kvpush-push",
     "kvpush-pull",
     "vllm-pull",
-    "vllm-pull-tuned",  # GPU: vLLM's READ with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on
+    "vllm-pull-tuned",
     "vllm-push",
+    "vllm-serve",
     "aggregated",
+    *EAGER_SYSTEMS,
 )
-CPU_SYSTEMS = tuple(s for s in ALL_SYSTEMS if s != "vllm-pull-tuned")  # the tuning is cuda_ipc's
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
 DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"
 
@@ -74,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--systems",
         default=None,
-        help="comma list (default: all six on cuda; on cpu all but vllm-pull-tuned)",
+        help="comma list (default on cuda: kvpush-push, kvpush-pull, vllm-pull-tuned, vllm-push,"
+        " vllm-serve, each on its users' default engine flags; NAME-eager adds --enforce-eager;"
+        " on cpu: kvpush-push, kvpush-pull, vllm-pull, vllm-push, aggregated)",
     )
     add(
         "--device",

@@ -30,6 +30,7 @@ from kvpush.services.bench.serve import (
     CAPACITY_FRACTIONS,
     CPU_SYSTEMS,
     DEFAULT_TABLES,
+    GPU_SYSTEMS,
 )
 from kvpush.services.bench.serve.loadgen import LoadPoint
 from kvpush.services.settings import ConfigError
@@ -155,7 +156,7 @@ def points(plan: Plan, table: Table, rates: list[Rate], repeat: int) -> list[Poi
 def from_args(args: argparse.Namespace) -> Plan:
     """The plan of a command line (``--quick`` overrides tables, load and repeats)."""
     cuda = resolve_device(getattr(args, "device", "cpu")) == "cuda"
-    default = ALL_SYSTEMS if cuda else CPU_SYSTEMS
+    default = GPU_SYSTEMS if cuda else CPU_SYSTEMS
     text = getattr(args, "systems", None) or ",".join(default)
     systems = tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = sorted(set(systems) - set(ALL_SYSTEMS))

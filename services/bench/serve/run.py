@@ -47,7 +47,7 @@ from kvpush.services.bench.serve import (
     summary_gpu,
 )
 from kvpush.services.bench.serve.results import Capacity, Document, Point
-from kvpush.services.bench.serve.systems import BenchContext, KvpushPull, KvpushPush, System
+from kvpush.services.bench.serve.systems import KVPUSH_SYSTEMS, BenchContext, System
 from kvpush.services.telemetry.breakdown import PART_NAMES
 from kvpush.services.workers.config import resolve_device
 
@@ -55,7 +55,7 @@ from kvpush.services.workers.config import resolve_device
 def system_classes() -> dict[str, type[System]]:
     from kvpush.services.bench.serve import vllm_systems
 
-    found: dict[str, type[System]] = {"kvpush-push": KvpushPush, "kvpush-pull": KvpushPull}
+    found: dict[str, type[System]] = dict(KVPUSH_SYSTEMS)
     found.update(vllm_systems.VLLM_SYSTEMS)
     return found
 

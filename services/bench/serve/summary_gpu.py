@@ -104,16 +104,17 @@ def overhead(all_rows: list[Row]) -> Verdict:
     return judge("G5", text, "c=1", ratio, points)
 
 
-def identity(document: Document) -> tuple[Verdict, list[Verdict]]:
-    """G6 over kvpush's systems; and the same share for every other disaggregated system."""
+def identity(document: Document, engine: str = "aggregated") -> tuple[Verdict, list[Verdict]]:
+    """G6 over kvpush's systems; and the same share for every other disaggregated system
+    (``engine``: the one-engine system they are compared with)."""
     local = {
         (p.dataset, p.input_len, p.point, p.repeat): p
         for p in document.points
-        if p.system == "aggregated"
+        if p.system == engine
     }
     by_system: dict[str, list[VerdictPoint]] = {}
     for p in document.points:
-        if p.system == "aggregated":
+        if p.system in (engine, "aggregated"):
             continue
         ref = local.get((p.dataset, p.input_len, p.point, p.repeat))
         if ref is None or not p.output_digests or not ref.output_digests:
@@ -145,7 +146,13 @@ def verdicts(document: Document, all_rows: list[Row]) -> list[Verdict]:
 
 
 def verdicts_of(document: Document, all_rows: list[Row]) -> list[Verdict]:
-    """The targets of the document's device: a GPU run's are these, a CPU run's ``summary``'s."""
+    """The targets of the document: a GPU run with every engine on its default flags (it has
+    ``vllm-serve``) ``summary_engines``', an earlier GPU run's these, a CPU run's
+    ``summary``'s."""
+    from kvpush.services.bench.serve import summary_engines
+
+    if summary_engines.applies(document):
+        return summary_engines.verdicts(document, all_rows)
     if document.meta.get("device") == "cuda":
         return verdicts(document, all_rows)
     return ratio_verdicts(all_rows)

