@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpush.services.bench.serve import report, results, summary, summary_gpu
+from kvpush.services.bench.serve import report, results, summary, summary_engines, summary_gpu
 
 
 def _point(system: str, point: str, ttft: float, req_s: float, **extra: Any) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def test_gpu_targets_scope_overhead_and_identity() -> None:
     document = _document()
     rows = summary.rows(document)
     assert summary_gpu.saturation(rows) == {("random", 2048): 1.6}
-    found = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}
+    found = {v.key: v for v in summary_engines.verdicts_of(document, rows)}
     g1 = found["G1"]
     assert [p.label for p in g1.points] == ["qps 1", "qps 2", "qps 8"]  # c=1 is out of scope
     assert g1.verdict == "missed" and [p.met for p in g1.points] == [False, True, True]
@@ -72,17 +72,17 @@ def test_gpu_targets_scope_overhead_and_identity() -> None:
     assert found["G6 (vllm-pull)"].verdict == "met"
     # the order of the points (systems run in turn, rotated per repeat) changes nothing
     shuffled = results.Document(meta=document.meta, points=document.points[::-1])
-    again = {v.key: v for v in summary_gpu.verdicts_of(shuffled, summary.rows(shuffled))}
+    again = {v.key: v for v in summary_engines.verdicts_of(shuffled, summary.rows(shuffled))}
     assert sorted((p.label, p.value) for p in again["G6"].points) == sorted(shares)
     text = report.render(document)
     assert "G1: P99 TTFT vs vllm-pull >= 2.0x" in text and "**missed**" in text
     failed = _document()
     failed.points[1].output_digests = ["a", "b", "x", ""]  # kvpush-pull: one request failed
     failed.points[1].errors = 1
-    g6 = {v.key: v for v in summary_gpu.verdicts_of(failed, summary.rows(failed))}["G6"]
+    g6 = {v.key: v for v in summary_engines.verdicts_of(failed, summary.rows(failed))}["G6"]
     assert [(p.value, p.why) for p in g6.points][4] == (2 / 3, "errors")
     cpu = results.Document(meta={}, points=document.points)
-    assert {v.key for v in summary_gpu.verdicts_of(cpu, rows)} == {"T1", "T2", "T3", "T4"}
+    assert {v.key for v in summary_engines.verdicts_of(cpu, rows)} == {"T1", "T2", "T3", "T4"}
 
 
 def test_with_prefill_s_first_token_decode_s_hand_off_is_kvpush_s_own_time() -> None:
@@ -93,7 +93,7 @@ def test_with_prefill_s_first_token_decode_s_hand_off_is_kvpush_s_own_time() -> 
         if point.system == "kvpush-push":
             point.first_token_by = "prefill"
     rows = summary.rows(document)
-    g5 = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}["G5"]
+    g5 = {v.key: v for v in summary_engines.verdicts_of(document, rows)}["G5"]
     assert [(p.label, p.value, p.met) for p in g5.points] == [("c=1", 14.7, False)]
 
 
@@ -134,7 +134,7 @@ def test_a_run_with_vllm_serve_is_judged_by_the_engine_targets() -> None:
     document = _engines_document({"kvpush-push": [150.0, 55.0], "vllm-serve": [100.0, 40.0]})
     rows = summary.rows(document)
     assert summary_engines.knees(rows) == {("random", 2048): 8.0}
-    found = {v.key: v for v in summary_gpu.verdicts_of(document, rows)}
+    found = {v.key: v for v in summary_engines.verdicts_of(document, rows)}
     assert "G1" not in found and {"E1", "E9", "E10", "G5", "G6"} <= set(found)
     e1 = found["E1"]  # TPOT 5.0 / 4.8 = 1.042 at every point
     assert e1.verdict == "met" and len(e1.points) == 4 and e1.points[0].value == 1.042
@@ -148,6 +148,6 @@ def test_a_run_with_vllm_serve_is_judged_by_the_engine_targets() -> None:
     assert [(p.value, p.met) for p in found["E9"].points] == [(1.5, True)]  # 150 / 100
     assert [(p.value, p.met) for p in found["E10"].points] == [(55.0, True)]
     once = _engines_document({"kvpush-push": [150.0], "vllm-serve": [100.0]})
-    again = {v.key: v for v in summary_gpu.verdicts_of(once, summary.rows(once))}
+    again = {v.key: v for v in summary_engines.verdicts_of(once, summary.rows(once))}
     assert again["E10"].verdict == "not measured"  # one start: no restart measured
     assert "E1: TPOT mean <= 1.10x vllm-serve" in report.render(document)

@@ -109,7 +109,7 @@ def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
     """docs/benchmarks/gpu-serve.md's tables are what its results.json generates, that
     results.json is what --join makes of the committed parts (in the doc's order), and the
     reports of single parts the doc cites are what those parts generate."""
-    from kvpush.services.bench.serve import join, report, results, summary, summary_gpu
+    from kvpush.services.bench.serve import join, report, results, summary, summary_engines
 
     folder = DOCS / "benchmarks" / "gpu-serve"
     names = ("b-results.json", "a-results.partial.json", "c-vllm-pull-tuned.json")
@@ -119,7 +119,7 @@ def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
     assert [p.system for p in committed.points] == [p.system for p in joined.points]
     assert committed.points == joined.points and committed.meta == joined.meta
     rows = summary.rows(joined)
-    assert msgspec_builtins(summary_gpu.verdicts_of(joined, rows)) == committed.verdicts
+    assert msgspec_builtins(summary_engines.verdicts_of(joined, rows)) == committed.verdicts
     assert report.check_doc(DOCS / "benchmarks" / "gpu-serve.md", folder / "results.json") is None
     for cited in ("b-results", "kvpush-tcp-read"):
         doc, data = folder / "parts" / f"{cited}.md", folder / "parts" / f"{cited}.json"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvpush.services.bench import docgen
 from kvpush.services.bench.serve import results as results_mod
-from kvpush.services.bench.serve import summary, summary_gpu
+from kvpush.services.bench.serve import summary, summary_engines
 from kvpush.services.bench.serve.plot import ttft_chart
 from kvpush.services.bench.serve.results import GIVEN, Document
 from kvpush.services.bench.serve.summary import REFERENCE, Row, Spread
@@ -220,7 +220,7 @@ def render(document: Document, plots_prefix: str = "") -> str:
     all_rows = summary.rows(document)
     ratios = summary.ratios(all_rows)
     lines = ["## Results (generated)", "", *_meta_lines(document)]
-    lines += _verdict_lines(summary_gpu.verdicts_of(document, all_rows))
+    lines += _verdict_lines(summary_engines.verdicts_of(document, all_rows))
     for dataset, input_len in summary.tables(document):
         rows = [r for r in all_rows if r.table == (dataset, input_len)]
         repeats = int(document.meta.get("repeats") or 1)

@@ -44,7 +44,7 @@ from kvpush.services.bench.serve import (
     report,
     results,
     summary,
-    summary_gpu,
+    summary_engines,
 )
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import KVPUSH_SYSTEMS, BenchContext, System
@@ -338,7 +338,7 @@ def finish(document: Document, out_dir: Path, json_path: str | None) -> int:
     """Derive ratios and verdicts, write results.json/.md and the plots; the exit status."""
     rows_ = summary.rows(document)
     document.ratios = msgspec.to_builtins(summary.ratios(rows_))
-    document.verdicts = msgspec.to_builtins(summary_gpu.verdicts_of(document, rows_))
+    document.verdicts = msgspec.to_builtins(summary_engines.verdicts_of(document, rows_))
     out_dir.mkdir(parents=True, exist_ok=True)
     text = results.dumps(document)
     (out_dir / "results.json").write_text(text)

@@ -183,3 +183,13 @@ def verdicts(document: Document, all_rows: list[Row]) -> list[Verdict]:
         main,
         *others,
     ]
+
+
+def verdicts_of(document: Document, all_rows: list[Row]) -> list[Verdict]:
+    """The targets of any document: a GPU run with every engine on its default flags (it has
+    ``vllm-serve``) these, an earlier GPU run ``summary_gpu``'s, a CPU run ``summary``'s."""
+    if applies(document):
+        return verdicts(document, all_rows)
+    if document.meta.get("device") == "cuda":
+        return summary_gpu.verdicts(document, all_rows)
+    return ratio_verdicts(all_rows)

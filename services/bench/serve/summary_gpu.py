@@ -143,16 +143,3 @@ def identity(document: Document, engine: str = "aggregated") -> tuple[Verdict, l
 def verdicts(document: Document, all_rows: list[Row]) -> list[Verdict]:
     main, others = identity(document)
     return [*ratio_verdicts(all_rows, targets(all_rows)), overhead(all_rows), main, *others]
-
-
-def verdicts_of(document: Document, all_rows: list[Row]) -> list[Verdict]:
-    """The targets of the document: a GPU run with every engine on its default flags (it has
-    ``vllm-serve``) ``summary_engines``', an earlier GPU run's these, a CPU run's
-    ``summary``'s."""
-    from kvpush.services.bench.serve import summary_engines
-
-    if summary_engines.applies(document):
-        return summary_engines.verdicts(document, all_rows)
-    if document.meta.get("device") == "cuda":
-        return verdicts(document, all_rows)
-    return ratio_verdicts(all_rows)
