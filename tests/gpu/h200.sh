@@ -12,7 +12,9 @@
 # frontend, with its API features), serve-a / serve-b / serve-tuned /
 # serve-kvpush / serve-aggregated (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
-# `kvpush bench serve --join`). Every step first unpacks the bundle once (/tmp/site) and makes
+# `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
+# command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
+# (the engine-mode probe, tests/gpu/gpu_engine.py). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -33,7 +35,19 @@ SERVE=(bench serve --device cuda --model llama-8b --repeats 1 --output-len 32
     --tables random:2048,random:8192,sonnet:2048 --qps auto --capacity 2048=19,8192=4.6
     --fractions 0.1,0.25,0.5 --concurrency 1 --duration 4 --min-requests 6)
 
+# issue 29's benchmark: every system on its users' default engine flags, load from vLLM's own
+# client (`vllm bench serve`), one system per device command (SYSTEMS=name), joined afterwards
+ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --output-len 64
+    --tables random:2048,random:8192,prefix:2048 --qps auto --capacity 2048=19,8192=4.6
+    --fractions 0.25,0.5,0.75,1.0 --concurrency 1 --duration 10 --min-requests 8)
+
 case $step in
+engines)
+    name=${SYSTEMS:?SYSTEMS=one,or,more}
+    timeout 585 setsid python3 -m kvpush.services.cli "${ENGINES[@]}" --systems "$name" \
+        --out-dir "$out/engines-${name//,/-}" > "$out/engines-${name//,/-}.log" 2>&1
+    echo "engines $name rc=$?"; tail -8 "$out/engines-${name//,/-}.log"
+    ;;
 transport)
     timeout 200 python3 -m kvpush.services.cli bench transport --device cuda --repeats 10 \
         --json "$out/transport-cuda.json" 2>&1 | tail -20

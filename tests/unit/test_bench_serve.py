@@ -269,6 +269,37 @@ def test_cached_tokens_rule_and_proxy_check() -> None:
     assert not check.ok and "saw 2 of 3 requests" in check.detail
 
 
+def test_the_proxy_reads_d_s_usage_whatever_client_sent_the_load() -> None:
+    """D's usage found in the streamed bytes however they were cut (and in a JSON body), and
+    the check from the proxy's counts when the client did not read the usage itself."""
+    from kvpush.services.bench.serve.proxy import UsageScanner
+
+    stream = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "usage": '
+    stream += b'{"prompt_tokens": 512, "prompt_tokens_details": {"cached_tokens": 512}}}\n\n'
+    stream += b"data: [DONE]\n\n"
+    for cut in (1, 7, 50, len(stream)):
+        scanner = UsageScanner()
+        for start in range(0, len(stream), cut):
+            scanner.feed(stream[start : start + cut])
+        assert scanner.end() == {
+            "prompt_tokens": 512,
+            "prompt_tokens_details": {"cached_tokens": 512},
+        }
+    body = UsageScanner()
+    body.feed(b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}')
+    assert body.end() == {"prompt_tokens": 3, "completion_tokens": 1}
+    stats = {"requests": 0, "no_kv_params": 0, "prefill_failed": 0, "decode_failed": 0}
+    stats |= {"d_loaded": 0, "d_computed": 0, "d_unverified": 0}
+    served = [RequestResult(i, 512, ttft_s=0.1, e2e_s=0.2) for i in range(3)]  # no usage read
+    after = {**stats, "requests": 3, "d_loaded": 3}
+    check = checks.proxy_check(stats, after, served)
+    assert check.ok and check.checked == 3 and check.without_transfer == 0, check
+    check = checks.proxy_check(stats, {**after, "d_loaded": 1, "d_computed": 2}, served)
+    assert not check.ok and "2 with D's cached tokens below the prompt" in check.detail
+    check = checks.proxy_check(stats, {**after, "d_loaded": 2}, served)  # one answer uncounted
+    assert not check.ok and "1 without prompt_tokens_details" in check.detail
+
+
 async def test_probe_waits_for_the_gateways_outcomes_of_a_point() -> None:
     metrics = GatewayMetrics()
 
@@ -365,3 +396,34 @@ def test_gpu_systems_run_on_default_flags_and_eager_rows_are_named_so() -> None:
 def test_the_tuned_pull_is_a_gpu_system_and_default_only_there() -> None:
     assert "vllm-pull-tuned" not in plan.from_args(_args("--device", "cpu")).systems
     assert "vllm-pull-tuned" in plan.from_args(_args("--device", "cuda")).systems
+
+
+def test_vllm_s_client_is_the_gpu_default_with_its_own_datasets(tmp_path: Path) -> None:
+    """`vllm bench serve` sends the load on a GPU (kvpush's load generator on CPU); a point's
+    command: the table's exact lengths (prefix: half shared), greedy, ignore_eos, the seed,
+    the rate or the concurrency, the system's extra fields, named requests."""
+    from kvpush.services.bench.serve import vllm_client
+
+    assert plan.from_args(_args("--device", "cuda")).client == "vllm"
+    assert plan.from_args(_args("--device", "cpu")).client == "kvpush"
+    with pytest.raises(ConfigError, match="no sonnet dataset"):
+        plan.from_args(_args("--device", "cuda", "--tables", "sonnet:2048"))
+    with pytest.raises(ConfigError, match="no prefix dataset"):
+        plan.from_args(_args("--device", "cpu", "--tables", "prefix:2048"))
+    point = loadgen.LoadPoint("prefix", 2048, 40, qps=4.0, output_len=64, seed=11)
+    argv = vllm_client.bench_argv(
+        "http://h:1", "m", tmp_path, point, tmp_path / "r.json", "p-", {"kvpush_mode": "push"}
+    )
+
+    def value(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert (value("--random-input-len"), value("--random-prefix-len")) == ("1024", "1024")
+    assert (value("--request-rate"), value("--seed"), value("--num-prompts")) == ("4", "11", "40")
+    assert value("--temperature") == "0" and "--ignore-eos" in argv
+    assert json.loads(value("--extra-body")) == {"kvpush_mode": "push"}
+    assert "--max-concurrency" not in argv and value("--request-id-prefix") == "p-"
+    c1 = loadgen.LoadPoint("random", 2048, 8, concurrency=1, output_len=64)
+    argv = vllm_client.bench_argv("http://h:1", "m", tmp_path, c1, tmp_path / "r.json", "p-")
+    assert (value("--request-rate"), value("--max-concurrency")) == ("inf", "1")
+    assert "--random-prefix-len" not in argv and "--extra-body" not in argv

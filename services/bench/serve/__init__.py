@@ -57,6 +57,7 @@ ALL_SYSTEMS = (
 )
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
 DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"
+VLLM_CLIENT_TABLES = "random:2048,random:8192,prefix:2048"  # the default with --client vllm
 
 
 def _ints(text: str) -> list[int]:
@@ -112,7 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tables",
         default=None,
         metavar="DATASET:LEN,...",
-        help=f"the tables to measure (default {DEFAULT_TABLES}); DATASET is random or sonnet",
+        help=f"the tables to measure (default {DEFAULT_TABLES}; --client vllm:"
+        f" {VLLM_CLIENT_TABLES}); DATASET is random, sonnet"
+        " (--client kvpush) or prefix (--client vllm: half of each prompt shared)",
     )
     add(
         "--input-lens",
@@ -172,6 +175,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="start no system when the run so far plus its longest system would pass SECONDS:"
         " save, exit 3, and go on later with --resume (runs in parts, e.g. on a lent machine)",
+    )
+    add(
+        "--client",
+        default=None,
+        choices=("kvpush", "vllm"),
+        help="who sends each point's load: vllm (`vllm bench serve`, vLLM's own client: random"
+        " and prefix tables) or kvpush (its load generator: random and sonnet tables, token-id"
+        " prompts) (default: vllm on cuda, kvpush on cpu)",
     )
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
     add(

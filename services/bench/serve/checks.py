@@ -16,8 +16,9 @@ any request was served without a transfer (or could not be verified). How, per s
 
 ``proxy`` (vllm-pull, vllm-push): the proxy's ``GET /proxy/stats`` ``no_kv_params`` before
   and after (P answered without ``kv_transfer_params``: D has nothing to load), and per request
-  the cached prompt tokens D reports in its usage (``--enable-prompt-tokens-details``);
-  ``cached_rule`` says which count means "D loaded the KV".
+  the cached prompt tokens D reports in its usage (``--enable-prompt-tokens-details``), as the
+  proxy counted them passing through (``d_loaded`` / ``d_computed`` / ``d_unverified``), else as
+  the client read them; ``cached_rule`` says which count means "D loaded the KV".
 
 ``none`` (aggregated): nothing moves; the check does not apply (n/a).
 
@@ -39,6 +40,7 @@ from kvpush.services.bench.serve.loadgen import RequestResult
 from kvpush.services.bench.serve.results import NOT_APPLICABLE, TransferCheck
 
 SETTLE_S = 5.0
+PROXY_USAGE = ("d_loaded", "d_computed", "d_unverified")  # the proxy's counts of D's usage
 PREFILL_BACKOFF_TOKENS = 0
 """Prompt tokens vLLM's NixlConnector leaves for D to recompute (``_prefill_backoff`` in
 ``nixl/base_scheduler.py``): 0 for a decoder-only Llama (only Mamba, DSV4 bounded replay and
@@ -147,21 +149,27 @@ def proxy_check(
     counts = {key: float(after.get(key, 0) - before.get(key, 0)) for key in keys}
     no_kv = int(counts["no_kv_params"])
     served = [r for r in results if r.error is None and r.ttft_s is not None]
-    unverified = sum(1 for r in served if r.cached_tokens is None)
-    computed = sum(
-        1
-        for r in served
-        if r.cached_tokens is not None
-        and not cached_rule(r.prompt_tokens or r.input_len, r.cached_tokens)
-    )
+    if "d_loaded" in after and "d_loaded" in before:  # the proxy read D's usage itself
+        d = {k: int(after.get(k, 0) - before.get(k, 0)) for k in PROXY_USAGE}
+        computed, unverified = d["d_computed"], d["d_unverified"]
+        unverified += max(0, len(served) - sum(d.values()))  # served, yet no answer counted
+    else:  # the client's reading of D's usage (kvpush's load generator)
+        unverified = sum(1 for r in served if r.cached_tokens is None)
+        computed = sum(
+            1
+            for r in served
+            if r.cached_tokens is not None
+            and not cached_rule(r.prompt_tokens or r.input_len, r.cached_tokens)
+        )
     counts.update(unverified=float(unverified), d_computed=float(computed))
     without = max(no_kv, computed + unverified)
     problems = []
     if no_kv:
         problems.append(f"{no_kv} P answers without kv_transfer_params")
     if computed:
-        worst = min(r.cached_tokens or 0 for r in served if r.cached_tokens is not None)
-        problems.append(f"{computed} with D's cached tokens below the prompt (min {worst})")
+        counted = [r.cached_tokens for r in served if r.cached_tokens is not None]
+        worst = f" (min {min(counted)})" if counted else ""
+        problems.append(f"{computed} with D's cached tokens below the prompt{worst}")
     if unverified:
         problems.append(f"{unverified} without prompt_tokens_details")
     if missing:

