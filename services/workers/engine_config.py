@@ -107,6 +107,11 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         kwargs.update(disable_log_stats=False)
         if cfg.kv_transfer_config:
             kwargs.update(scheduler_cls=VLLM_SCHEDULER, worker_extension_cls=VLLM_WORKER_EXTENSION)
+        # vLLM sets this from async scheduling when left unset, and it is part of the compile
+        # cache's key: with P's async scheduling off, P and D compiled the same model twice
+        # (on the H200 each cold start paid it). It matters only with data parallelism, which
+        # a worker never runs (engine_args.OWNED).
+        kwargs.update(disable_nccl_for_dp_synchronization=True)
         if (cfg.kv_transfer_config or {}).get("kv_role") == "kv_producer":
             # P: a step's forward returns once its layers were handed to the push (the
             # connector's wait_for_save), so with async scheduling the engine thread sat in

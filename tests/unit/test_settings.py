@@ -304,3 +304,30 @@ def test_vllm_engine_flags_reach_each_roles_engines_and_the_ones_kvpush_sets_are
     assert engine_kwargs(config.engine_config())["enable_prefix_caching"] is False
     with pytest.raises(ConfigError, match="kvpush sets it"):
         UpConfig.from_args(parse(UP_SETTINGS, "--decode-engine-arg=--kv-transfer-config={}"), {})
+
+
+def test_prefill_and_decode_engines_share_one_compile_cache(tmp_path) -> None:
+    """vLLM keys its torch.compile cache by a hash of the engine's config: a P and a D of one
+    model must hash alike in process mode (P runs without async scheduling, which vLLM lets
+    into the key unless kvpush pins it), so the second engine to start loads the first one's
+    compiled graphs."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from kvpush.services.workers.config import default_model_dir
+    from kvpush.services.workers.engine_config import engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    model = str(default_model_dir())
+    hashes = []
+    for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+        args = parser.parse_args(["--model", model, "--device", "cpu", "--engine-core", "process"])
+        cfg = worker_config.config_from_args(role, args, {}).engine_config()
+        kwargs = engine_kwargs(cfg)
+        kwargs["kv_transfer_config"] = KVTransferConfig(**(cfg.kv_transfer_config or {}))
+        vllm_config = EngineArgs(**kwargs).create_engine_config(UsageContext.OPENAI_API_SERVER)
+        hashes.append(vllm_config.compute_hash())
+    assert kwargs.get("async_scheduling") is None  # D: vLLM's own choice; P: off
+    assert hashes[0] == hashes[1]
