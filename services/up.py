@@ -10,8 +10,8 @@ the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops everything: the gat
 then the workers (each drains: requests in flight finish), then nats-server. A second Ctrl-C
 kills at once. Logs of the children: --log-dir (default ~/.cache/kvpush/logs).
 
-This module owns the stack's child processes and the order they start and stop in. Threading
-model: one asyncio loop on the main thread (heartbeat subscription, child polling, HTTP
+This module owns the stack's child processes (each an ``up_child.Child``) and the order they
+start and stop in. Threading model: one asyncio loop on the main thread (heartbeat subscription, child polling, HTTP
 readiness, signals). Children run in sessions of their own, so a terminal's Ctrl-C reaches
 only `up`, which orders the shutdown; PR_SET_PDEATHSIG sends them SIGTERM should `up` die.
 """
@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
-import dataclasses
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,10 +35,9 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.settings import ConfigError
+from kvpush.services.up_child import Child
 from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
-
-PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -52,53 +48,6 @@ def free_port() -> int:
 
 def say(message: str) -> None:
     print(f"[kvpush up] {message}", file=sys.stderr, flush=True)
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclasses.dataclass
-class Child:
-    """One child process of the stack; ``ready_s`` is set once it is ready."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    cores: list[int] | None = None
-    gpu: int | None = None  # engines sharing a GPU start one after another
-    proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    ready_s: float | None = None
-    metrics_url: str = ""  # a worker's vllm:* engine metrics
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        self.started_at = time.monotonic()
-
-    @property
-    def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def tail(self, lines: int = 25) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return ""
-        return "\n".join(f"    {line}" for line in text)
 
 
 class Stack:
@@ -248,7 +197,8 @@ class Stack:
                         f"workers not ready after {cfg.start_timeout_s:.0f} s: {', '.join(waiting)}"
                     )
                 if now > next_note:
-                    say(f"  still starting ({now - started:.0f} s): {', '.join(waiting)}")
+                    doing = ", ".join(f"{n} ({c.phase()})" for n, c in waiting.items())
+                    say(f"  still starting ({now - started:.0f} s): {doing}")
                     next_note = now + 15.0
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(ready.wait(), 0.2)

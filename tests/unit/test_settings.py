@@ -331,3 +331,24 @@ def test_prefill_and_decode_engines_share_one_compile_cache(tmp_path) -> None:
         hashes.append(vllm_config.compute_hash())
     assert kwargs.get("async_scheduling") is None  # D: vLLM's own choice; P: off
     assert hashes[0] == hashes[1]
+
+
+def test_kvpush_up_says_what_each_starting_engine_is_doing(tmp_path) -> None:
+    """The 'still starting' lines name each worker's phase from the last step its log names
+    (vLLM's own lines: weights, compiling or loading compiled graphs, CUDA graph capture)."""
+    from kvpush.services.up_child import Child
+
+    log = tmp_path / "prefill-0.log"
+    child = Child("prefill-0", ["true"], log, gpu=0)
+    assert child.phase() == "waiting for its GPU"  # not started: another engine has the GPU
+    child.start()
+    assert child.proc is not None and child.proc.wait(10) == 0
+    log.write_text("engine: importing vllm\n")
+    assert child.phase() == "importing vLLM"
+    with log.open("a") as out:
+        out.write("[model_runner.py:284] Loading model from scratch...\n")
+        out.write("[backends.py:393] Compiling a graph for compile range (1, 8192) takes 9 s\n")
+    assert child.phase().startswith("compiling")
+    with log.open("a") as out:
+        out.write("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  40%|####\n")
+    assert child.phase() == "capturing CUDA graphs"

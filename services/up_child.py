@@ -1,0 +1,93 @@
+"""One child process of ``kvpush up`` (a worker or the gateway): how it starts (its own
+session, its log file, SIGTERM should ``up`` die: PR_SET_PDEATHSIG), whether it exited, the
+tail of its log, and what a starting worker's engine is doing (``phase``: from the last vLLM
+step its log names), which ``up`` prints while the stack starts.
+
+Threading model: none of its own; called from ``up``'s asyncio loop (short file reads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# what a worker's log says its engine is doing while it starts: (a line's text, the phase)
+ENGINE_PHASES = (
+    ("importing vllm", "importing vLLM"),
+    ("starting the engine", "starting the engine"),
+    ("Loading model", "loading weights"),
+    ("Model loading took", "profiling memory"),
+    ("Compiling a graph", "compiling (torch.compile; cached for restarts)"),
+    ("Directly load the compiled graph", "loading compiled graphs from the cache"),
+    ("torch.compile took", "profiling memory"),
+    ("Capturing CUDA graph", "capturing CUDA graphs"),
+    ("Graph capturing finished", "warming up"),
+    ("init engine", "joining the bus"),
+)
+
+
+@dataclasses.dataclass
+class Child:
+    """One child process of the stack; ``ready_s`` is set once it is ready."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    cores: list[int] | None = None
+    gpu: int | None = None  # engines sharing a GPU start one after another
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_s: float | None = None
+    metrics_url: str = ""  # a worker's vllm:* engine metrics
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.started_at = time.monotonic()
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def phase(self) -> str:
+        """What a starting worker is doing, from the last engine step its log names."""
+        if self.proc is None:
+            return "waiting for its GPU"
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return "starting"
+        found = [(text.rfind(mark), phase) for mark, phase in ENGINE_PHASES]
+        at, phase = max(found)
+        return phase if at >= 0 else "starting"
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(f"    {line}" for line in text)
