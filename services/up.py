@@ -11,9 +11,10 @@ then the workers (each drains: requests in flight finish), then nats-server. A s
 kills at once. Logs of the children: --log-dir (default ~/.cache/kvpush/logs).
 
 This module owns the stack's child processes (each an ``up_child.Child``) and the order they
-start and stop in. Threading model: one asyncio loop on the main thread (heartbeat subscription, child polling, HTTP
-readiness, signals). Children run in sessions of their own, so a terminal's Ctrl-C reaches
-only `up`, which orders the shutdown; PR_SET_PDEATHSIG sends them SIGTERM should `up` die.
+start and stop in. Threading model: one asyncio loop on the main thread (heartbeat
+subscription, child polling, HTTP readiness, signals). Children run in sessions of their own,
+so a terminal's Ctrl-C reaches only `up`, which orders the shutdown; PR_SET_PDEATHSIG sends
+them SIGTERM should `up` die.
 """
 
 from __future__ import annotations
