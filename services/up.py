@@ -178,14 +178,19 @@ class Stack:
                 f"gateway (logs in {cfg.log_dir}); engines take a few seconds each"
             )
             # vLLM sizes its KV cache from the GPU memory free while it profiles: two engines
-            # profiling one GPU at once starve each other, so a GPU's engines start in turn
+            # profiling one GPU at once starve each other, so a GPU's engines start in turn,
+            # but where each remembers its KV size from a start before (no profiling)
+            together = gpus_started_together(self.workers)
+            if together:
+                say(f"  GPU {_cores(sorted(together))}: every engine's KV size is known from a"
+                    " start before: its engines start at once")  # fmt: skip
             pending = list(self.children)
             started = time.monotonic()
             next_note = started + 15.0
             while not ready.is_set():
                 busy = {c.gpu for c in self.workers if c.proc is not None and c.name in waiting}
                 for child in list(pending):
-                    if child.gpu is None or child.gpu not in busy:
+                    if child.gpu is None or child.gpu in together or child.gpu not in busy:
                         pending.remove(child)
                         busy.add(child.gpu)
                         child.start()
@@ -340,6 +345,30 @@ def main(args: argparse.Namespace) -> int:
         say(f"configuration: {exc}")
         return 2
     return asyncio.run(run(config))
+
+
+def gpus_started_together(workers: list[Child]) -> set[int]:
+    """The GPUs whose every engine remembers its KV cache size from an earlier start on this
+    host (``workers.kv_memory``): they skip vLLM's memory profiling, so they may start at
+    once."""
+    from kvpush.schemas.messages import WorkerRole
+    from kvpush.services.workers import kv_memory
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    known: dict[int, bool] = {}
+    for child in workers:
+        if child.gpu is None:
+            continue
+        at = child.argv.index("kvpush.services.cli") + 1
+        try:
+            args = parser.parse_args(child.argv[at + 1 :])
+            config = worker_config.config_from_args(WorkerRole(child.argv[at]), args)
+            key = kv_memory.key_of(config.engine_config())
+        except (ConfigError, ValueError):
+            key = None
+        known[child.gpu] = known.get(child.gpu, True) and bool(key and kv_memory.remembered(key))
+    return {gpu for gpu, ok in known.items() if ok}
 
 
 def _cores(cores: list[int] | None) -> str:

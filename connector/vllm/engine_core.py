@@ -184,6 +184,12 @@ class KVPushWorkerExtension:
         half = self._kvpush_half()
         return half.transport.active() if half is not None and half.transport else 0
 
+    def kvpush_kv_cache_bytes(self) -> int | None:
+        """The KV cache bytes this rank's profiling settled on (None: not profiled, e.g. the
+        size was given); the driver remembers them for the next start."""
+        value = getattr(self, "available_kv_cache_memory_bytes", None)
+        return int(value) if value else None
+
     def kvpush_suspect_peer(self, address: str) -> None:
         """The peer at ``address`` may be gone: the decode side probes it."""
         half = self._kvpush_half()

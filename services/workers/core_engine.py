@@ -38,7 +38,7 @@ import msgspec
 from kvpush.connector import ConnectorInfo
 from kvpush.schemas.messages import Timing
 from kvpush.schemas.sampling import SamplingSpec
-from kvpush.services.workers import weights
+from kvpush.services.workers import kv_memory, weights
 from kvpush.services.workers.engine import EngineHost
 from kvpush.services.workers.engine_config import EngineConfig, engine_env, engine_kwargs
 from kvpush.services.workers.fanout import Answers, open_request, route
@@ -181,17 +181,27 @@ class CoreEngineHost:
         kwargs = engine_kwargs(cfg)
         if cfg.kv_transfer_config:
             kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
+        memory_key = kv_memory.key_of(cfg) if cfg.kv_transfer_config else None
+        known = kv_memory.remembered(memory_key) if memory_key else None
+        if known and kwargs.get("kv_cache_memory_bytes") is None:
+            kwargs.update(kv_cache_memory_bytes=known)  # no memory profiling this time
+            report(f"KV cache {known / 2**30:.2f} GiB, as the last start found (not profiled)")
         graphs = "eager" if kwargs.get("enforce_eager") else "torch.compile + CUDA graphs"
         report(
             f"vllm imported ({time.monotonic() - started:.1f} s); starting the engine-core process"
             f" ({graphs if cfg.device == 'cuda' else cfg.device}; loading weights, profiling"
             " memory, compiling and capturing: minutes on a cold cache)"
         )
-        engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs),
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[_FreeBlocks(self)],
-        )
+        try:
+            engine = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**kwargs),
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                stat_loggers=[_FreeBlocks(self)],
+            )
+        except Exception:
+            if memory_key and known:  # the remembered size may be what failed: profile next
+                kv_memory.forget(memory_key)
+            raise
         self._engine = engine
         self._num_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
@@ -202,6 +212,10 @@ class CoreEngineHost:
             ranks = [msgspec.convert(info, ConnectorInfo) for info in infos if info is not None]
             self.link.ranks = sorted(ranks, key=lambda info: info.rank)
             self.link.connected = bool(ranks)
+        if memory_key and not known:  # profiled: the next start on this host need not be
+            found = await engine.collective_rpc("kvpush_kv_cache_bytes", timeout=RPC_TIMEOUT_S)
+            if found and all(found) and len(set(found)) == 1:
+                kv_memory.remember(memory_key, found[0], kv_memory.about(cfg))
         self.last_free_blocks = self.total_blocks()
         report(f"engine ready ({time.monotonic() - started:.1f} s, {self.total_blocks()} blocks)")
 

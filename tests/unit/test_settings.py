@@ -352,3 +352,42 @@ def test_kvpush_up_says_what_each_starting_engine_is_doing(tmp_path) -> None:
     with log.open("a") as out:
         out.write("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE):  40%|####\n")
     assert child.phase() == "capturing CUDA graphs"
+
+
+def test_a_gpu_s_engines_start_at_once_when_each_remembers_its_kv_size(
+    tmp_path, monkeypatch
+) -> None:
+    """After a profiled start a worker records its KV cache bytes under a key of everything
+    they depend on; kvpush up starts a GPU's engines together only when every one of them
+    has such a record (no memory profiling then), else one after the other."""
+    from kvpush.services.up import Stack, gpus_started_together
+    from kvpush.services.workers import kv_memory
+
+    monkeypatch.setenv("KVPUSH_CACHE", str(tmp_path / "cache" / "models"))
+    monkeypatch.setattr(kv_memory, "gpu_identity", lambda gpu: f"NVIDIA H200 #{gpu}, 143771 MiB")
+    flags = ("--device", "cuda", "--load-format", "dummy", "--log-dir", str(tmp_path))
+    stack = Stack(UpConfig.from_args(parse(UP_SETTINGS, *flags), {}))
+    stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+    stack._plan()
+    assert [c.gpu for c in stack.workers] == [0, 0]
+    assert gpus_started_together(stack.workers) == set()  # nothing remembered: in turn
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    keys = []
+    for child in stack.workers:
+        at = child.argv.index("kvpush.services.cli") + 1
+        args = parser.parse_args(child.argv[at + 1 :])
+        engine = worker_config.config_from_args(WorkerRole(child.argv[at]), args).engine_config()
+        keys.append(kv_memory.key_of(engine))
+    assert None not in keys and keys[0] != keys[1]  # P and D: a record each
+    kv_memory.remember(keys[0], 40 << 30, {})
+    assert gpus_started_together(stack.workers) == set()  # D would still profile
+    kv_memory.remember(keys[1], 41 << 30, {})
+    assert gpus_started_together(stack.workers) == {0}
+    assert kv_memory.remembered(keys[1]) == 41 << 30
+    other = UpConfig.from_args(parse(UP_SETTINGS, *flags, "--gpu-memory-utilization", "0.3"), {})
+    moved = Stack(other)
+    moved.nats_url, moved.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+    moved._plan()
+    assert gpus_started_together(moved.workers) == set()  # another share: profiled again
