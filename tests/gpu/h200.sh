@@ -39,7 +39,7 @@ SERVE=(bench serve --device cuda --model llama-8b --repeats 1 --output-len 32
 # client (`vllm bench serve`), one system per device command (SYSTEMS=name), joined afterwards
 ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --output-len 64
     --tables random:2048,random:8192,prefix:2048 --qps auto --capacity 2048=19,8192=4.6
-    --fractions 0.25,0.5,0.75,1.0 --concurrency 1 --duration 10 --min-requests 8)
+    --fractions 0.25,0.5,1.0 --concurrency 1 --duration 10 --min-requests 8 --time-budget 560)
 
 case $step in
 engines)
