@@ -8,6 +8,7 @@ vLLM-facing modules) stops the run at collection, naming the module.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 
@@ -43,6 +44,33 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
             f"collecting {report.nodeid} imported vllm into the pytest process; engines run in "
             "child processes only (import vLLM-facing modules inside the child's code)"
         )
+
+
+IN_CHILD = "KVPUSH_TEST_IN_CHILD"  # the node id of the test a child interpreter runs
+
+
+@pytest.fixture
+def in_child(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> bool:
+    """For a test that must import vLLM (the suite's process never does): True in the child
+    interpreter that runs the test; in the suite's process the fixture runs the test there,
+    fails with the child's output if it failed, and returns False (the test then returns)."""
+    node = request.node.nodeid
+    if os.environ.get(IN_CHILD) == node:
+        return True
+    base = tmp_path_factory.mktemp("child")
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node]
+    done = subprocess.run(
+        [*argv, "--basetemp", str(base)],
+        env={**os.environ, IN_CHILD: node},
+        cwd=request.config.rootpath,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, (
+        f"in a child interpreter:\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+    )
+    return False
 
 
 @pytest.fixture(scope="session")

@@ -75,6 +75,7 @@ class _PrefillTokens:
         super().__init__(*args, **kwargs)
         self._half = getattr(self.connector, "scheduler_half", None)
         self._arrived = False  # a request was added since the last schedule()
+        self._news_in_flight = False  # the last idle wait ended on the connector's signal
         self._sender: FirstTokenSender | None = None  # prefill: P's tokens straight to D
         if self._half is not None:  # this scheduler reports P's tokens: D may continue from them
             self._half.driver_takes_tokens = True
@@ -99,10 +100,13 @@ class _PrefillTokens:
             # Only transfers are in progress: rather than spin (holding the GIL the connector's
             # bus thread needs to take the KV notice and P's token in), wait for the worker
             # half's activity signal, a moment at most (the engine core reads new requests
-            # only between steps).
-            if not half.activity.is_set():
-                half.activity.wait(IDLE_WAIT_S)
-            half.activity.clear()
+            # only between steps). After a signal the next step does not wait: with async
+            # scheduling the results of the step that took the news in come out only then.
+            if self._news_in_flight:
+                self._news_in_flight = False
+            else:
+                self._news_in_flight = half.activity.wait(IDLE_WAIT_S)
+                half.activity.clear()
         self._arrived = False
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
 

@@ -251,11 +251,14 @@ def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tm
 
 
 def test_vllm_engine_flags_reach_each_roles_engines_and_the_ones_kvpush_sets_are_refused(
-    tmp_path,
+    tmp_path, in_child
 ) -> None:
     """--engine-arg carries any `vllm serve` engine flag, parsed by vLLM's own parser (its
     types, its errors, at start); kvpush up gives --engine-arg to every worker and
-    --prefill-engine-arg / --decode-engine-arg to one role's; what kvpush sets is refused."""
+    --prefill-engine-arg / --decode-engine-arg to one role's; what kvpush sets is refused.
+    (In a child interpreter: vLLM's parser is vLLM.)"""
+    if not in_child:
+        return
     from kvpush.services.up import Stack
     from kvpush.services.workers.engine_config import engine_kwargs
 
@@ -306,11 +309,13 @@ def test_vllm_engine_flags_reach_each_roles_engines_and_the_ones_kvpush_sets_are
         UpConfig.from_args(parse(UP_SETTINGS, "--decode-engine-arg=--kv-transfer-config={}"), {})
 
 
-def test_prefill_and_decode_engines_share_one_compile_cache(tmp_path) -> None:
+def test_prefill_and_decode_engines_share_one_compile_cache(tmp_path, in_child) -> None:
     """vLLM keys its torch.compile cache by a hash of the engine's config: a P and a D of one
     model must hash alike in process mode (P runs without async scheduling, which vLLM lets
     into the key unless kvpush pins it), so the second engine to start loads the first one's
-    compiled graphs."""
+    compiled graphs. (In a child interpreter: it builds vLLM's configs.)"""
+    if not in_child:
+        return
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
