@@ -1,9 +1,9 @@
 """vLLM engine flags passed through to a worker's engine: ``--engine-arg`` (workers and
 ``kvpush up``, e.g. ``--engine-arg=--max-num-batched-tokens=16384``) carries any ``vllm serve``
-engine flag, parsed by vLLM's own
-``EngineArgs`` parser, so its spelling, types and errors are vLLM's. ``parse_engine_args``
-turns the flags into ``EngineArgs`` keyword arguments (only those given); the flags kvpush
-sets itself are refused with the reason and the kvpush flag to use instead (``OWNED``).
+engine flag, parsed by vLLM's own ``EngineArgs`` parser, so its spelling, types and errors are
+vLLM's. ``parse_engine_args`` turns the flags into ``EngineArgs`` keyword arguments (only those
+given); the flags kvpush sets itself are refused with the reason and the kvpush flag to use
+instead (``OWNED``).
 
 Threading model: none (pure functions; the first call imports vLLM's argument parser, seconds).
 """
@@ -19,7 +19,6 @@ from kvpush.services.settings import ConfigError
 # EngineArgs fields kvpush sets: the reason, and what to use instead.
 OWNED: dict[str, str] = {
     "kv_transfer_config": "kvpush makes the KV connector's config (push or pull over its bus)",
-    "kv_events_config": "kvpush's connector publishes its own events on the bus",
     "scheduler_cls": "kvpush's scheduler reports P's first token from the engine core",
     "worker_extension_cls": "kvpush's worker extension answers the worker's rank questions",
     "disable_log_stats": "kvpush reads the pool's free blocks from the engine's stats",
