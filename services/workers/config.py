@@ -324,7 +324,7 @@ SETTINGS: tuple[Setting, ...] = (
         "engine_args",
         ("--engine-arg",),
         str,
-        "a `vllm serve` engine flag for this worker's engine, e.g."
+        "a `vllm serve` engine flag for the worker's engine (kvpush up: every worker's), e.g."
         " --engine-arg=--max-num-batched-tokens=16384 --engine-arg='--kv-cache-dtype fp8'"
         " (repeatable; vLLM parses it; the flags kvpush sets itself, such as"
         " --kv-transfer-config, are refused and name the kvpush flag to use; env: comma list)",
