@@ -123,12 +123,10 @@ class UpConfig:
 
     def check_engine_args(self) -> None:
         """vLLM's parser reads each role's engine flags now, not after the workers start."""
-        from kvpush.services.workers.config import ENGINE_CORE, resolve_device
+        from kvpush.services.workers.config import engine_core_of
         from kvpush.services.workers.engine_args import parse_engine_args
 
-        engine_core = self.engine_core or "auto"
-        if engine_core == "auto":
-            engine_core = ENGINE_CORE[resolve_device(self.device)]
+        engine_core = engine_core_of(self.engine_core or "auto", self.device)
         for role in ("prefill", "decode"):
             parse_engine_args(self.engine_args_of(role), engine_core=engine_core)
 

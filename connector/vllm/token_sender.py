@@ -19,7 +19,6 @@ publishing is the ``BusThread``'s (one asyncio thread, started with the engine).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Container, Mapping
 from typing import Any
 
@@ -28,8 +27,6 @@ from kvpush.connector.params import ConnectorSettings, TransferParams, read_para
 from kvpush.connector.vllm.runtime import BusThread
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import FinishReason, FirstToken
-
-log = logging.getLogger(__name__)
 
 
 class FirstTokenSender:

@@ -97,7 +97,7 @@ class WorkerConfig:
         prefill = self.role is WorkerRole.PREFILL
         device = resolve_device(self.device)
         dtype = self.dtype if self.dtype != "auto" else DEFAULT_DTYPE[device]
-        engine_core = self.engine_core if self.engine_core != "auto" else ENGINE_CORE[device]
+        engine_core = engine_core_of(self.engine_core, device)
         eager = self.enforce_eager == "on" or (self.enforce_eager == "auto" and device == "cpu")
         seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
         return EngineConfig(
@@ -137,6 +137,11 @@ DEFAULT_MAX_NUM_SEQS: dict[str, int | None] = {"cpu": 64, "cuda": None}
 # worker, stepped only when there is work: on a 2-core box an engine-core process per engine
 # busy-loops a core while a decode request waits for pushed KV (docs/operating.md).
 ENGINE_CORE = {"cpu": "thread", "cuda": "process"}
+
+
+def engine_core_of(engine_core: str, device: str) -> str:
+    """Where an engine's core runs: as given, or for ``auto`` the device's default."""
+    return engine_core if engine_core != "auto" else ENGINE_CORE[resolve_device(device)]
 
 
 def resolve_device(device: str) -> str:
@@ -426,9 +431,9 @@ def config_from_args(
         )
     if values.get("engine_args"):
         values["engine_args"] = tuple(values["engine_args"])
-        engine_core = values.get("engine_core", "auto")
-        if engine_core == "auto":
-            engine_core = ENGINE_CORE[resolve_device(values.get("device", "auto"))]
+        engine_core = engine_core_of(
+            values.get("engine_core", "auto"), values.get("device", "auto")
+        )
         parse_engine_args(values["engine_args"], engine_core=engine_core)  # vLLM's errors now
     values["model_dir"] = str(Path(values.get("model_dir") or default_model_dir()).resolve())
     values.setdefault("model_name", model_name_of(values["model_dir"]))

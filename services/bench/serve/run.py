@@ -169,10 +169,10 @@ class Bench:
             "first_token_by": getattr(system, "first_token_by", ""),
         }
         if system.transfer == "gateway":
-            answered = {r.request_id for r in found if r.request_id}
             if self.plan.client == "vllm":  # the answers are named by the X-Request-Id sent
                 row["breakdown"] = await _breakdown(url, lambda rid: ids in rid)
             else:
+                answered = {r.request_id for r in found if r.request_id}
                 row["breakdown"] = await _breakdown(url, answered.__contains__)
         return results.point(row)
 
