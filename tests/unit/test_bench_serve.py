@@ -427,3 +427,6 @@ def test_vllm_s_client_is_the_gpu_default_with_its_own_datasets(tmp_path: Path) 
     argv = vllm_client.bench_argv("http://h:1", "m", tmp_path, c1, tmp_path / "r.json", "p-")
     assert (value("--request-rate"), value("--max-concurrency")) == ("inf", "1")
     assert "--random-prefix-len" not in argv and "--extra-body" not in argv
+    big = loadgen.LoadPoint("random", 2048, 8, concurrency=1, output_len=64, seed=2**63 + 5)
+    argv = vllm_client.bench_argv("http://h:1", "m", tmp_path, big, tmp_path / "r.json", "p-")
+    assert value("--seed") == "5"  # the points' 64-bit seeds, as numpy takes them (32 bits)

@@ -5,8 +5,9 @@ client vLLM's users benchmark with, so every system, kvpush's and vLLM's, is mea
 vLLM measures itself. Per point: ``--dataset-name random`` with ``--random-input-len`` the
 table's length (``prefix``: half of it a prefix every request shares, ``--random-prefix-len``,
 so prefix caches take part), ``--random-range-ratio 0`` (exact lengths), the point's output
-length with ``--ignore-eos``, greedy (``--temperature 0``), ``--seed`` the point's seed (every
-system the same prompts, every point and repeat prompts of its own), Poisson arrivals at the
+length with ``--ignore-eos``, greedy (``--temperature 0``), ``--seed`` the point's seed (to 32
+bits, as numpy takes it; every system the same prompts, every point and repeat prompts of its
+own), Poisson arrivals at the
 rate (``--request-rate``) or a fixed concurrency (``--max-concurrency``, rate inf), the
 system's extra request fields (``--extra-body``: kvpush's ``kvpush_mode``), and request ids
 ``<prefix><index>`` (``--request-id-prefix``: sent as ``X-Request-Id``, which kvpush's gateway
@@ -56,7 +57,8 @@ def bench_argv(
     if prefix:
         argv += ["--random-prefix-len", str(prefix)]
     argv += ["--random-output-len", str(point.output_len), "--ignore-eos", "--temperature", "0"]
-    argv += ["--num-prompts", str(point.requests), "--seed", str(point.seed)]
+    seed = point.seed % 2**32  # vLLM seeds numpy with it: 32 bits
+    argv += ["--num-prompts", str(point.requests), "--seed", str(seed)]
     argv += ["--request-id-prefix", request_prefix, "--disable-tqdm"]
     if point.qps is not None:
         argv += ["--request-rate", f"{point.qps:g}"]
