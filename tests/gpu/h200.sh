@@ -47,6 +47,9 @@ engines)
     timeout 585 setsid python3 -m kvpush.services.cli "${ENGINES[@]}" --systems "$name" \
         --out-dir "$out/engines-${name//,/-}" > "$out/engines-${name//,/-}.log" 2>&1
     echo "engines $name rc=$?"; tail -8 "$out/engines-${name//,/-}.log"
+    # one file back (the device returns 8 files at most, 2 folders down)
+    tar czf "$out/engines-${name//,/-}.tgz" -C "$out" "engines-${name//,/-}" \
+        && rm -rf "$out/engines-${name//,/-}"
     ;;
 transport)
     timeout 200 python3 -m kvpush.services.cli bench transport --device cuda --repeats 10 \
