@@ -11,6 +11,10 @@ Run on the GPU host (the vLLM bundle on PYTHONPATH, nats-server on PATH)::
 
     python3 -m tests.gpu.gpu_engine --out $OUT --system kvpush [--flag=--enforce-eager]
 
+``--starts N``: start (and stop) the system N times in a row before its points; each start's
+seconds are in ``start_s_each``: the first is cold on a fresh host, the later ones restarts on
+the same host (compile caches, and kvpush's remembered KV memory, warm).
+
 ``--trace TAG`` (kvpush): every service traces to ``OUT/TAG-trace.jsonl``; after the points
 the stack stops and ``kvpush ttft`` writes the TTFT breakdown to ``OUT/TAG-ttft.txt`` and
 ``OUT/TAG-ttft.json``.
@@ -84,6 +88,27 @@ def bench(
     return json.loads(path.read_text()) if path.exists() else {"error": done.stderr[-2000:]}
 
 
+def stop(proc: Any) -> None:
+    """SIGINT (a clean stop), then the whole process group killed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def gpu_memory_freed(timeout_s: float = 90.0) -> None:
+    """Wait until the GPU's memory is back (under 2 GiB used) after a stop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        used = subprocess.run(query, capture_output=True, text=True).stdout.split()
+        if used and int(used[0]) < 2048:
+            return
+        time.sleep(1.0)
+
+
 POINTS = (
     ("c1-2048", {"input_len": 2048, "concurrency": 1, "prompts": 24}),
     ("c1-8192", {"input_len": 8192, "concurrency": 1, "prompts": 12}),
@@ -100,6 +125,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8431)
     parser.add_argument("--trace", metavar="TAG", help="kvpush: trace and break TTFT down")
     parser.add_argument("--start-timeout-s", type=float, default=400.0)
+    parser.add_argument("--starts", type=int, default=1, help="start N times (restarts: warm)")
     args = parser.parse_args()
     ensure_kvpush_importable()
     from kvpush.services import models
@@ -115,11 +141,23 @@ def main() -> int:
     if trace is not None:
         flags += ["--trace-file", str(trace)]
     name = args.trace or args.system
+    result["start_s_each"] = []
+    for _ in range(args.starts - 1):  # the restarts' starts: ready, then stopped again
+        started = time.monotonic()
+        proc = start(args.system, out, model_dir, args.port, flags)
+        try:
+            wait_ready(proc, url, out / f"{args.system}.log", args.start_timeout_s)
+            result["start_s_each"].append(round(time.monotonic() - started, 1))
+            print(f"{args.system} ready in {result['start_s_each'][-1]} s", flush=True)
+        finally:
+            stop(proc)
+            gpu_memory_freed()
     started = time.monotonic()
     proc = start(args.system, out, model_dir, args.port, flags)
     try:
         model = wait_ready(proc, url, out / f"{args.system}.log", args.start_timeout_s)
         result["start_s"] = round(time.monotonic() - started, 1)
+        result["start_s_each"].append(result["start_s"])
         print(f"{args.system} ready in {result['start_s']} s", flush=True)
         wanted = args.points.split(",")
         for seed, (point_name, point) in enumerate(POINTS, start=100):
@@ -133,12 +171,7 @@ def main() -> int:
         result["error"] = repr(exc)[:2000]
         print("ERROR", result["error"], flush=True)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
     if trace is not None and trace.exists():
         argv = [sys.executable, "-m", "kvpush.services.cli", "ttft", str(trace)]
         argv += ["--json", str(out / f"{name}-ttft.json")]
