@@ -23,9 +23,11 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +64,7 @@ class Stack:
         self.model_name = ""
         self.workers: list[Child] = []
         self.gateway: Child | None = None
+        self.gate_dir = ""  # the gates of engines waiting for their GPU (_gate)
 
     @property
     def children(self) -> list[Child]:
@@ -178,25 +181,26 @@ class Stack:
                 f"gateway (logs in {cfg.log_dir}); engines take a few seconds each"
             )
             # vLLM sizes its KV cache from the GPU memory free while it profiles: two engines
-            # profiling one GPU at once starve each other, so a GPU's engines start in turn,
+            # profiling one GPU at once starve each other, so a GPU's engines take it in turn,
             # but where each remembers its KV size from a start before (no profiling)
             together = gpus_started_together(self.workers)
             if together:
                 say(f"  GPU {_cores(sorted(together))}: every engine's KV size is known from a"
                     " start before: its engines start at once")  # fmt: skip
-            pending = list(self.children)
+            self._gate(together)
+            for child in self.children:  # a gated engine imports vLLM while it waits
+                child.start()
             started = time.monotonic()
             next_note = started + 15.0
             while not ready.is_set():
-                busy = {c.gpu for c in self.workers if c.proc is not None and c.name in waiting}
-                for child in list(pending):
-                    if child.gpu is None or child.gpu in together or child.gpu not in busy:
-                        pending.remove(child)
+                busy = {c.gpu for c in self.workers if not c.gated and c.name in waiting}
+                for child in self.workers:
+                    if child.gated and child.gpu not in busy:
                         busy.add(child.gpu)
-                        child.start()
+                        child.open_gate()
                 self._check_children()
                 now = time.monotonic()
-                # each engine gets the whole limit: a GPU's engines start one after another
+                # each engine gets the whole limit: a GPU's engines take it one after another
                 last = max([started, *(c.started_at for c in self.workers if c.proc is not None)])
                 if now - last > cfg.start_timeout_s:
                     raise RuntimeError(
@@ -211,6 +215,21 @@ class Stack:
         finally:
             await bus.close()
         await self._wait_gateway()
+
+    def _gate(self, together: set[int]) -> None:
+        """Every engine but the first on a GPU waits for its turn: a file of ``gate_dir`` its
+        worker's ``--start-after`` names, made once the engine before it is ready."""
+        seen: set[int] = set()
+        for child in self.workers:
+            if child.gpu is None or child.gpu in together:
+                continue
+            if child.gpu not in seen:  # the GPU's first engine: its turn at once
+                seen.add(child.gpu)
+                continue
+            if not self.gate_dir:
+                self.gate_dir = tempfile.mkdtemp(prefix="kvpush-up-")
+            child.gate = Path(self.gate_dir) / f"{child.name}.turn"
+            child.argv += ["--start-after", str(child.gate)]
 
     async def _wait_gateway(self) -> None:
         assert self.gateway is not None
@@ -283,6 +302,8 @@ class Stack:
         await self._stop(self.workers, self.config.stop_timeout_s, force)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
+        if self.gate_dir:
+            shutil.rmtree(self.gate_dir, ignore_errors=True)
         say("stopped")
 
     async def _stop(self, children: list[Child], timeout_s: float, force: asyncio.Event) -> None:

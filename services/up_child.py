@@ -27,6 +27,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 # what a worker's log says its engine is doing while it starts: (a line's text, the phase)
 ENGINE_PHASES = (
     ("importing vllm", "importing vLLM"),
+    ("waiting for its GPU", "waiting for its GPU"),
     ("starting the engine", "starting the engine"),
     ("Loading model", "loading weights"),
     ("Model loading took", "profiling memory"),
@@ -47,9 +48,10 @@ class Child:
     argv: list[str]
     log_path: Path
     cores: list[int] | None = None
-    gpu: int | None = None  # engines sharing a GPU start one after another
+    gpu: int | None = None  # engines sharing a GPU take it one after another
     proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
+    gate: Path | None = None  # a worker's --start-after file: its engine waits for it
+    started_at: float = 0.0  # its start, or (gated) when its gate opened: its turn on the GPU
     ready_s: float | None = None
     metrics_url: str = ""  # a worker's vllm:* engine metrics
 
@@ -65,6 +67,17 @@ class Child:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+        self.started_at = time.monotonic()
+
+    @property
+    def gated(self) -> bool:
+        """Its engine still waits for its turn on the GPU."""
+        return self.gate is not None and not self.gate.exists()
+
+    def open_gate(self) -> None:
+        """Its engine's turn on the GPU (the worker imported vLLM meanwhile)."""
+        if self.gate is not None:
+            self.gate.touch()
         self.started_at = time.monotonic()
 
     @property

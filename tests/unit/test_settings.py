@@ -4,6 +4,8 @@ gateway, workers, ``kvpush up``."""
 from __future__ import annotations
 
 import argparse
+import shutil
+import threading
 
 import pytest
 
@@ -206,6 +208,31 @@ def test_an_engine_on_cuda_reads_gpu_memory_over_cuda_ipc_unless_told_otherwise(
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in cpu and cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
+def test_p_and_d_on_one_gpu_set_the_same_vllm_environment() -> None:
+    """vLLM keys its torch.compile cache with its environment variables too: P and D on one
+    GPU (other cores, other roles) set the same ones, so the second engine loads what the
+    first compiled (on the H200 D compiled again when each had its own core list, 22 s). On
+    CPU each engine's core lists pin its ranks (the CPU backend reads them)."""
+    from kvpush.services.workers.engine_config import EngineConfig, engine_env
+
+    def engine(role: str, cores: list[int], device: str = "cuda", tp: int = 1) -> EngineConfig:
+        transfer = {"kv_connector": "KVPushConnector", "kv_role": role}
+        return EngineConfig(
+            model_dir="m",
+            device=device,
+            gpu=0,
+            cpu_cores=cores,
+            kv_transfer_config=transfer,
+            tensor_parallel_size=tp,
+        )
+
+    prefill, decode = engine("kv_producer", [0, 1, 2, 3]), engine("kv_consumer", [4, 5, 6, 7])
+    assert engine_env(prefill, {}) == engine_env(decode, {})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(prefill, {})
+    cpu = engine_env(engine("kv_consumer", [4, 5, 6, 7], device="cpu", tp=2), {})
+    assert cpu["VLLM_CPU_OMP_THREADS_BIND"] == "4,5|6,7"
+
+
 def test_engines_run_as_vllm_serve_on_cuda_and_in_a_thread_on_cpu_unless_told(tmp_path) -> None:
     """CUDA: an engine-core process (kvpush's scheduler and worker extension in it), graphs,
     vLLM's async scheduling; CPU: the engine on a worker thread, eager, no async scheduling.
@@ -351,6 +378,9 @@ def test_kvpush_up_says_what_each_starting_engine_is_doing(tmp_path) -> None:
     log.write_text("engine: importing vllm\n")
     assert child.phase() == "importing vLLM"
     with log.open("a") as out:
+        out.write("engine: waiting for its GPU (another engine is measuring its memory)\n")
+    assert child.phase() == "waiting for its GPU"
+    with log.open("a") as out:
         out.write("[model_runner.py:284] Loading model from scratch...\n")
         out.write("[backends.py:393] Compiling a graph for compile range (1, 8192) takes 9 s\n")
     assert child.phase().startswith("compiling")
@@ -376,6 +406,18 @@ def test_a_gpu_s_engines_start_at_once_when_each_remembers_its_kv_size(
     stack._plan()
     assert [c.gpu for c in stack.workers] == [0, 0]
     assert gpus_started_together(stack.workers) == set()  # nothing remembered: in turn
+    stack._gate(set())  # D's worker starts at once (imports vLLM), its engine waits its turn
+    prefill, decode = stack.workers
+    assert prefill.gate is None and decode.gate is not None and decode.gated
+    assert decode.argv[-2:] == ["--start-after", str(decode.gate)]
+    at = decode.argv.index("kvpush.services.cli") + 1
+    gated = worker_config.config_from_args(
+        WorkerRole.DECODE, parse(worker_config.SETTINGS, *decode.argv[at + 1 :]), {}
+    ).engine_config()
+    assert gated.start_gate == str(decode.gate)
+    decode.open_gate()
+    assert not decode.gated and decode.gate.exists()
+    shutil.rmtree(stack.gate_dir)
 
     parser = argparse.ArgumentParser()
     worker_config.add_arguments(parser)
@@ -396,3 +438,25 @@ def test_a_gpu_s_engines_start_at_once_when_each_remembers_its_kv_size(
     moved.nats_url, moved.model_dir = "nats://127.0.0.1:1", str(tmp_path)
     moved._plan()
     assert gpus_started_together(moved.workers) == set()  # another share: profiled again
+    moved._gate({0})  # every engine of GPU 0 remembers its KV size: none waits
+    assert all(c.gate is None for c in moved.workers) and not moved.gate_dir
+
+
+def test_an_engine_waits_for_its_turn_on_the_gpu(tmp_path) -> None:
+    """--start-after FILE: the engine is built once FILE exists (it says so, once)."""
+    from kvpush.services.workers.engine_config import EngineConfig, wait_for_gate
+
+    said: list[str] = []
+    wait_for_gate(EngineConfig(model_dir="m"), said.append)  # no gate: at once
+    gate = tmp_path / "decode-0.turn"
+    waiting = threading.Thread(
+        target=wait_for_gate, args=(EngineConfig(model_dir="m", start_gate=str(gate)), said.append)
+    )
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and said == [
+        "waiting for its GPU (another engine is measuring its memory)"
+    ]
+    gate.touch()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(said) == 1
