@@ -1,5 +1,6 @@
-"""vLLM's own client as the benchmark's load (``vllm_client``): a real ``vllm bench serve`` run
-against a scripted OpenAI server, read back into the records kvpush's reports are made of.
+"""vLLM's own client as the benchmark's load (``vllm_client``): real ``vllm bench serve`` runs
+(one client process, vLLM imported once, point after point) against a scripted OpenAI server,
+read back into the records kvpush's reports are made of.
 
 No engine: the server streams a scripted answer; what is checked is what crosses the two
 programs (the request ids and extra body fields vLLM's client sends, its per-request TTFT and
@@ -43,10 +44,27 @@ async def test_a_point_sent_by_vllm_bench_serve_reads_back_per_request(
         return response
 
     point = loadgen.LoadPoint("prefix", 64, 4, concurrency=2, output_len=4, seed=7)
-    async with serving_completions(completions) as url:
-        found, wall = await vllm_client.run_point(
-            url, "m", tiny_model, point, tmp_path, "p1-", extra={"kvpush_mode": "push"}
-        )
+    client = vllm_client.BenchClient(tmp_path / "client.log")
+    try:
+        async with serving_completions(completions) as url:
+            found, wall = await vllm_client.run_point(
+                client, url, "m", tiny_model, point, tmp_path, "p1-", extra={"kvpush_mode": "push"}
+            )
+            # the same client process runs the next points (vLLM imported once), a point that
+            # fails (vLLM's parser refuses its arguments) included
+            pid = client._process.pid if client._process else None
+            refused = await client.run(["--no-such-flag"], tmp_path / "refused.log", 120.0)
+            assert refused["rc"] == 2 and "no-such-flag" in (tmp_path / "refused.log").read_text()
+            again = loadgen.LoadPoint("random", 32, 2, concurrency=1, output_len=2, seed=8)
+            second, _ = await vllm_client.run_point(
+                client, url, "m", tiny_model, again, tmp_path, "p2-"
+            )
+            assert client._process is not None and client._process.pid == pid
+    finally:
+        await client.close()
+    assert [r.request_id for r in second] == ["p2-0", "p2-1"]
+    assert all(r.error is None and r.output_tokens == 2 for r in second)
+    seen = [(rid, body) for rid, body in seen if rid.startswith("p1-")]
     assert sorted(rid for rid, _ in seen) == ["p1-0", "p1-1", "p1-2", "p1-3"]
     assert all(body["kvpush_mode"] == "push" and body["ignore_eos"] for _, body in seen)
     assert all(body["max_tokens"] == 4 and body["temperature"] == 0 for _, body in seen)

