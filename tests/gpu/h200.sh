@@ -44,7 +44,9 @@ ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --
 case $step in
 engines)
     name=${SYSTEMS:?SYSTEMS=one,or,more}
+    # RESTART=1: the system is started once more after its points (E10, restart_s)
     timeout 585 setsid python3 -m kvpush.services.cli "${ENGINES[@]}" --systems "$name" \
+        ${RESTART:+--restart} \
         --out-dir "$out/engines-${name//,/-}" > "$out/engines-${name//,/-}.log" 2>&1
     echo "engines $name rc=$?"; tail -8 "$out/engines-${name//,/-}.log"
     # one file back (the device returns 8 files at most, 2 folders down)

@@ -150,4 +150,7 @@ def test_a_run_with_vllm_serve_is_judged_by_the_engine_targets() -> None:
     once = _engines_document({"kvpush-push": [150.0], "vllm-serve": [100.0]})
     again = {v.key: v for v in summary_engines.verdicts_of(once, summary.rows(once))}
     assert again["E10"].verdict == "not measured"  # one start: no restart measured
+    once.systems["kvpush-push"] = {"ok": True, "runs": [{"repeat": 0, "restart_s": 62.5}]}
+    restarted = {v.key: v for v in summary_engines.verdicts_of(once, summary.rows(once))}
+    assert [(p.value, p.met) for p in restarted["E10"].points] == [(62.5, False)]  # --restart
     assert "E1: TPOT mean <= 1.10x vllm-serve" in report.render(document)

@@ -177,6 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " save, exit 3, and go on later with --resume (runs in parts, e.g. on a lent machine)",
     )
     add(
+        "--restart",
+        action="store_true",
+        help="after each system's run, start it once more on the same host and record the"
+        " seconds to serving (restart_s: compile caches warm; issue 29's restart target)",
+    )
+    add(
         "--client",
         default=None,
         choices=("kvpush", "vllm"),

@@ -22,6 +22,8 @@ any request was served without a transfer (or could not be verified). How, per s
 
 ``none`` (aggregated): nothing moves; the check does not apply (n/a).
 
+``breakdown_of``: a kvpush point's TTFT breakdown, from the gateway's ``/dashboard/data``.
+
 Threading model: asyncio on the bench's loop (one short HTTP GET per snapshot); the
 ``*_check`` functions are pure.
 """
@@ -31,13 +33,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.services.bench.serve.loadgen import RequestResult
 from kvpush.services.bench.serve.results import NOT_APPLICABLE, TransferCheck
+from kvpush.services.telemetry.breakdown import PART_NAMES
 
 SETTLE_S = 5.0
 PROXY_USAGE = ("d_loaded", "d_computed", "d_unverified")  # the proxy's counts of D's usage
@@ -259,3 +264,28 @@ class PointProbe:
 
 def _outcomes(before: dict[str, float], after: dict[str, float]) -> int:
     return _sum(_delta(before, after), "outcome.")
+
+
+async def breakdown_of(url: str, ours: Callable[[str], bool]) -> dict[str, Any] | None:
+    """P50/P99/mean per part of this point's requests (``ours``: is this request id one of
+    them), from the gateway's /dashboard/data."""
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{url}/dashboard/data") as resp,
+        ):
+            rows = (await resp.json())["requests"]
+    except (aiohttp.ClientError, OSError, KeyError, ValueError):
+        return None
+    parts = [r["parts_ms"] for r in rows if ours(r["request_id"]) and r["parts_ms"]]
+    if not parts:
+        return None
+    result: dict[str, Any] = {"requests": len(parts)}
+    for name in PART_NAMES:
+        values = np.asarray([p[name] for p in parts])
+        result[name] = {
+            "mean": round(float(values.mean()), 3),
+            "p50": round(float(np.percentile(values, 50)), 3),
+            "p99": round(float(np.percentile(values, 99)), 3),
+        }
+    return result

@@ -28,11 +28,9 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 import numpy as np
 
@@ -51,7 +49,6 @@ from kvpush.services.bench.serve import (
 )
 from kvpush.services.bench.serve.results import Capacity, Document, Point
 from kvpush.services.bench.serve.systems import KVPUSH_SYSTEMS, BenchContext, System
-from kvpush.services.telemetry.breakdown import PART_NAMES
 from kvpush.services.workers.config import resolve_device
 
 
@@ -173,11 +170,26 @@ class Bench:
         }
         if system.transfer == "gateway":
             if self.plan.client == "vllm":  # the answers are named by the X-Request-Id sent
-                row["breakdown"] = await _breakdown(url, lambda rid: ids in rid)
+                row["breakdown"] = await checks.breakdown_of(url, lambda rid: ids in rid)
             else:
                 answered = {r.request_id for r in found if r.request_id}
-                row["breakdown"] = await _breakdown(url, answered.__contains__)
+                row["breakdown"] = await checks.breakdown_of(url, answered.__contains__)
         return results.point(row)
+
+    async def restart(self, system: System) -> float | None:
+        """``--restart``: start the system once more on this host, right after its run (its
+        caches warm from that start); seconds to serving, or None if it failed to start."""
+        started = time.monotonic()
+        try:
+            await system.start(self.ctx)
+            restart_s = round(time.monotonic() - started, 1)
+            _say(f"{system.name} restarted: serving after {restart_s} s")
+            return restart_s
+        except Exception as exc:
+            _say(f"{system.name} restart failed: {exc}")
+            return None
+        finally:
+            await system.stop()
 
     async def run_system(self, system: System, repeat: int, rows: list[Point]) -> float:
         """Start ``system``, measure every point of the plan into ``rows``; its start seconds.
@@ -202,31 +214,6 @@ class Bench:
             for spec in plan.points(self.plan, table, rates, repeat):
                 rows.append(await self.measure(system, url, spec, start_s))
         return start_s
-
-
-async def _breakdown(url: str, ours: Callable[[str], bool]) -> dict[str, Any] | None:
-    """P50/P99/mean per part of this point's requests (``ours``: is this request id one of
-    them), from the gateway's /dashboard/data."""
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"{url}/dashboard/data") as resp,
-        ):
-            rows = (await resp.json())["requests"]
-    except (aiohttp.ClientError, OSError, KeyError, ValueError):
-        return None
-    parts = [r["parts_ms"] for r in rows if ours(r["request_id"]) and r["parts_ms"]]
-    if not parts:
-        return None
-    result: dict[str, Any] = {"requests": len(parts)}
-    for name in PART_NAMES:
-        values = np.asarray([p[name] for p in parts])
-        result[name] = {
-            "mean": round(float(values.mean()), 3),
-            "p50": round(float(np.percentile(values, 50)), 3),
-            "p99": round(float(np.percentile(values, 99)), 3),
-        }
-    return result
 
 
 def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> dict[str, Any]:
@@ -345,6 +332,8 @@ async def run(args: argparse.Namespace) -> int:
                 record.update(ok=False, error=str(exc)[-2000:])
             finally:
                 await system.stop()
+            if getattr(args, "restart", False) and record["ok"]:
+                record["restart_s"] = await bench.restart(classes[name]())
             runs[name].append(record)
             done.add((repeat, name))
             checkpoint.save(out_dir, _checkpoint(document, bench, runs, done))
