@@ -36,9 +36,10 @@ import aiohttp
 from kvpush.connector import Bus, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat
+from kvpush.services.mps import MpsDaemon
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.settings import ConfigError
-from kvpush.services.up_child import Child
+from kvpush.services.up_child import Child, gpus_started_together
 from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
 
@@ -65,6 +66,7 @@ class Stack:
         self.workers: list[Child] = []
         self.gateway: Child | None = None
         self.gate_dir = ""  # the gates of engines waiting for their GPU (_gate)
+        self.mps: MpsDaemon | None = None  # --mps on
 
     @property
     def children(self) -> list[Child]:
@@ -86,6 +88,10 @@ class Stack:
         self.model_name = worker_config.model_name_of(self.model_dir)
         say(f"model {self.model_name}: {self.model_dir}")
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        if cfg.mps == "on" and worker_config.resolve_device(cfg.device) == "cuda":
+            self.mps = MpsDaemon()
+            os.environ.update(self.mps.start())  # every child inherits: an MPS client
+            say(f"MPS: the engines on a GPU share its SMs (daemon in {self.mps.folder})")
 
     def _plan(self) -> None:
         cfg = self.config
@@ -304,6 +310,8 @@ class Stack:
             await asyncio.to_thread(self.nats.stop)
         if self.gate_dir:
             shutil.rmtree(self.gate_dir, ignore_errors=True)
+        if self.mps is not None:
+            await asyncio.to_thread(self.mps.stop)
         say("stopped")
 
     async def _stop(self, children: list[Child], timeout_s: float, force: asyncio.Event) -> None:
@@ -366,30 +374,6 @@ def main(args: argparse.Namespace) -> int:
         say(f"configuration: {exc}")
         return 2
     return asyncio.run(run(config))
-
-
-def gpus_started_together(workers: list[Child]) -> set[int]:
-    """The GPUs whose every engine remembers its KV cache size from an earlier start on this
-    host (``workers.kv_memory``): they skip vLLM's memory profiling, so they may start at
-    once."""
-    from kvpush.schemas.messages import WorkerRole
-    from kvpush.services.workers import kv_memory
-
-    parser = argparse.ArgumentParser()
-    worker_config.add_arguments(parser)
-    known: dict[int, bool] = {}
-    for child in workers:
-        if child.gpu is None:
-            continue
-        at = child.argv.index("kvpush.services.cli") + 1
-        try:
-            args = parser.parse_args(child.argv[at + 1 :])
-            config = worker_config.config_from_args(WorkerRole(child.argv[at]), args)
-            key = kv_memory.key_of(config.engine_config())
-        except (ConfigError, ValueError):
-            key = None
-        known[child.gpu] = known.get(child.gpu, True) and bool(key and kv_memory.remembered(key))
-    return {gpu for gpu, ok in known.items() if ok}
 
 
 def _cores(cores: list[int] | None) -> str:

@@ -1,13 +1,15 @@
 """One child process of ``kvpush up`` (a worker or the gateway): how it starts (its own
 session, its log file, SIGTERM should ``up`` die: PR_SET_PDEATHSIG), whether it exited, the
 tail of its log, and what a starting worker's engine is doing (``phase``: from the last vLLM
-step its log names), which ``up`` prints while the stack starts.
+step its log names), which ``up`` prints while the stack starts; and which GPUs' engines may
+start at once (``gpus_started_together``).
 
 Threading model: none of its own; called from ``up``'s asyncio loop (short file reads).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import dataclasses
 import os
@@ -15,6 +17,9 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+from kvpush.services.settings import ConfigError
+from kvpush.services.workers import config as worker_config
 
 PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
@@ -104,3 +109,27 @@ class Child:
         except OSError:
             return ""
         return "\n".join(f"    {line}" for line in text)
+
+
+def gpus_started_together(workers: list[Child]) -> set[int]:
+    """The GPUs whose every engine remembers its KV cache size from an earlier start on this
+    host (``workers.kv_memory``): they skip vLLM's memory profiling, so they may start at
+    once."""
+    from kvpush.schemas.messages import WorkerRole
+    from kvpush.services.workers import kv_memory
+
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+    known: dict[int, bool] = {}
+    for child in workers:
+        if child.gpu is None:
+            continue
+        at = child.argv.index("kvpush.services.cli") + 1
+        try:
+            args = parser.parse_args(child.argv[at + 1 :])
+            config = worker_config.config_from_args(WorkerRole(child.argv[at]), args)
+            key = kv_memory.key_of(config.engine_config())
+        except (ConfigError, ValueError):
+            key = None
+        known[child.gpu] = known.get(child.gpu, True) and bool(key and kv_memory.remembered(key))
+    return {gpu for gpu, ok in known.items() if ok}

@@ -35,6 +35,7 @@ class UpConfig:
     device: str = "auto"  # passed to every worker (see kvpush prefill --help)
     gpus: str = "0"  # cuda: the GPUs the workers take in turn, e.g. "0,1"
     gpu_memory_utilization: float | None = None  # None: 0.85 split between a GPU's engines
+    mps: str = "off"  # cuda: "on": the engines run as clients of a private MPS daemon (mps.py)
     load_format: str | None = None
     dtype: str | None = None
     engine_core: str | None = None  # every worker's (see kvpush prefill --help)
@@ -191,6 +192,16 @@ SETTINGS: tuple[Setting, ...] = (
         " engines on one GPU)",
         "KVPUSH_GPU_MEMORY_UTILIZATION",
         metavar="F",
+    ),
+    Setting(
+        "mps",
+        ("--mps",),
+        str,
+        "cuda: on runs the engines as clients of NVIDIA's Multi-Process Service (a daemon of the"
+        " stack's own), so the engines sharing a GPU run their kernels side by side instead of"
+        " taking turns (default off)",
+        "KVPUSH_UP_MPS",
+        choices=("on", "off"),
     ),
     Setting(
         "load_format",

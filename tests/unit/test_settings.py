@@ -395,7 +395,8 @@ def test_a_gpu_s_engines_start_at_once_when_each_remembers_its_kv_size(
     """After a profiled start a worker records its KV cache bytes under a key of everything
     they depend on; kvpush up starts a GPU's engines together only when every one of them
     has such a record (no memory profiling then), else one after the other."""
-    from kvpush.services.up import Stack, gpus_started_together
+    from kvpush.services.up import Stack
+    from kvpush.services.up_child import gpus_started_together
     from kvpush.services.workers import kv_memory
 
     monkeypatch.setenv("KVPUSH_CACHE", str(tmp_path / "cache" / "models"))

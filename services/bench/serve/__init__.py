@@ -54,6 +54,7 @@ ALL_SYSTEMS = (
     "vllm-serve",
     "aggregated",
     *EAGER_SYSTEMS,
+    "kvpush-push-mps",  # an extra row: kvpush up --mps on (GPU)
 )
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
 DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"

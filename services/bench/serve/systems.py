@@ -7,7 +7,8 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
 
 - ``KvpushSystem``: ``kvpush up`` in push or pull mode (embedded nats-server, gateway, one P,
   one D, every prompt moved: ``--local-threshold 0``; on a GPU the workers' defaults, each
-  engine as ``vllm serve`` runs it, and ``-eager`` rows add ``--enforce-eager``), optionally
+  engine as ``vllm serve`` runs it, and ``-eager`` rows add ``--enforce-eager``; the
+  ``kvpush-push-mps`` row adds ``--mps on``), optionally
   with ``--trace-file`` (spans for ``kvpush ttft``). Every request names its mode
   (``kvpush_mode``, ``request_extra``): the gateway then answers 503 when no prefill worker is
   alive instead of degrading to local mode (``gateway/routing.py``, ``Router.route``), so a
@@ -183,6 +184,7 @@ class KvpushSystem(System):
     transfer = "gateway"
     first_token_by = "prefill"  # the gateway's default, named: the TTFT breakdown reads it
     eager: ClassVar[bool] = False  # --enforce-eager (the -eager rows; CPU engines always are)
+    mps: ClassVar[bool] = False  # --mps on (the -mps rows: P and D share the GPU's SMs)
 
     def __init__(self) -> None:
         super().__init__()
@@ -211,6 +213,8 @@ class KvpushSystem(System):
             argv += ["--max-num-seqs", "256"]
         if self.eager:
             argv.append("--enforce-eager")
+        if self.mps:
+            argv += ["--mps", "on"]
         if ctx.trace_dir is not None:
             suffix = f"-{self.run_label}" if self.run_label else ""
             self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
@@ -239,6 +243,12 @@ class KvpushPullEager(KvpushPull):
     eager = True
 
 
+class KvpushPushMps(KvpushPush):
+    name = "kvpush-push-mps"
+    mps = True
+
+
 KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
-    cls.name: cls for cls in (KvpushPush, KvpushPull, KvpushPushEager, KvpushPullEager)
+    cls.name: cls
+    for cls in (KvpushPush, KvpushPull, KvpushPushEager, KvpushPullEager, KvpushPushMps)
 }
