@@ -14,7 +14,9 @@ through ``kvpush.connector.EngineLink`` happen here, through vLLM's own extensio
   token, exactly as the in-process driver's ``first_token.report``. A token that ends the answer
   ends the request here (its timing marks ride on that output); one that does not was made the
   request's last prompt token by the scheduler half (``compat.continue_from``), so the request's
-  first step samples the second token.
+  first step samples the second token. The marks known by then ride on that first output too
+  (the driver keeps them): an answer that a stop string ends is aborted by the client's
+  detokenizer, so its end brings none.
 - On the prefill side the same schedulers send P's first tokens to D themselves, right after
   the step's outputs exist (``token_sender.FirstTokenSender``), not through the worker.
 - ``KVPushWorkerExtension`` (``worker_extension_cls``): methods on every rank's vLLM worker that
@@ -134,8 +136,11 @@ class _PrefillTokens:
             if stats is not None:
                 stats.finalize(self.kv_cache_manager.estimate_cached_tokens(request))
             kv_params = None
-            if ends and (params := read_params(request.kv_transfer_params)) is not None:
-                timing = self._half.take_timing(params.transfer_id)
+            if (params := read_params(request.kv_transfer_params)) is not None:
+                # the marks so far ride on the first output too: an answer that a stop string
+                # ends is aborted by the client's detokenizer, and its end carries none
+                take = self._half.take_timing if ends else self._half.peek_timing
+                timing = take(params.transfer_id)
                 kv_params = {TIMING_KEY: msgspec.to_builtins(timing)} if timing else None
             output = EngineCoreOutput(
                 request_id=req_id,

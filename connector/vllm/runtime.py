@@ -102,6 +102,12 @@ class TimingMarks:
             self._marks.clear()
         return {tid: Timing(**entry) for tid, entry in entries if entry}
 
+    def peek(self, transfer_id: str) -> Timing | None:
+        """The instants recorded for ``transfer_id`` so far (kept); None if none."""
+        with self._lock:
+            entry = self._marks.get(transfer_id)
+            return Timing(**entry) if entry else None
+
     def take(self, transfer_id: str) -> Timing | None:
         """The instants recorded for ``transfer_id`` (and forget them); None if none."""
         with self._lock:

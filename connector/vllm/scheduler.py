@@ -276,6 +276,11 @@ class SchedulerHalf:
             self._suspects.append(address)
         self.activity.set()
 
+    def peek_timing(self, transfer_id: str) -> Any:
+        """The marks of a transfer known so far, kept for its end (what D's first output
+        carries: an answer a stop string ends is aborted, and its end carries none)."""
+        return self._marks.peek(transfer_id)
+
     def take_timing(self, transfer_id: str) -> Any:
         """Marks of a transfer that came up after its request finished (vLLM calls
         ``request_finished`` before ``update_connector_output`` in the same step)."""

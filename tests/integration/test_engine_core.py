@@ -94,6 +94,27 @@ def test_a_first_token_that_is_a_stop_token_ends_the_answer_in_the_engine_core(
     assert {k: d_out[k] for k in keys} == {k: expected[k] for k in keys}
 
 
+def test_an_answer_a_stop_string_ends_keeps_its_timing_marks(
+    core_engines: tuple[EngineProc, EngineProc], nats_server: EmbeddedNats, rng: random.Random
+) -> None:
+    """A stop string is found by vLLM's client (the detokenizer), which aborts the request in
+    the engine core: the answer's end carries no transfer marks, so D's first output brings
+    them (``run`` checks that the KV landed and that D took P's token). Without them the
+    gateway counted such answers as a fallback (D computed the prompt)."""
+    decode = core_engines[1]
+    ids = prompt(rng, BLOCK + 60)
+    plain = alone(decode, ids, sampling())
+    first = alone(decode, ids, sampling(1))["text"]
+    stop = first[-1:] + plain["text"][len(first) : len(first) + 2]  # across tokens 1 and 2
+    assert len(stop) == 3 and plain["text"].startswith(first), (first, plain)
+    spec = sampling(stop=[stop])
+    expected = alone(decode, ids, spec)
+    _, d_out = run(core_engines, nats_server.url, ids, ids, "push", spec, IDS)
+    assert expected["finish_reason"] == "stop" and len(expected["token_ids"]) > 1, expected
+    keys = ("token_ids", "text", "finish_reason", "stop_reason")
+    assert {k: d_out[k] for k in keys} == {k: expected[k] for k in keys}, (d_out, expected)
+
+
 def test_n_answers_and_an_abort_end_as_on_the_in_process_engine(
     core_engines: tuple[EngineProc, EngineProc], rng: random.Random
 ) -> None:
