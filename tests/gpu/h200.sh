@@ -36,10 +36,12 @@ SERVE=(bench serve --device cuda --model llama-8b --repeats 1 --output-len 32
     --fractions 0.1,0.25,0.5 --concurrency 1 --duration 4 --min-requests 6)
 
 # issue 29's benchmark: every system on its users' default engine flags, load from vLLM's own
-# client (`vllm bench serve`), one system per device command (SYSTEMS=name), joined afterwards
+# client (`vllm bench serve`), one or two systems per device command (SYSTEMS=a[,b]; BUDGET:
+# start no system past this many seconds), joined afterwards
 ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --output-len 64
     --tables random:2048,random:8192,prefix:2048 --qps auto --capacity 2048=19,8192=4.6
-    --fractions 0.25,0.5,1.0 --concurrency 1 --duration 10 --min-requests 8 --time-budget 560)
+    --fractions 0.25,0.5,1.0 --concurrency 1 --duration 10 --min-requests 8
+    --time-budget "${BUDGET:-560}")
 
 case $step in
 engines)
