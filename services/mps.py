@@ -1,7 +1,7 @@
 """NVIDIA's Multi-Process Service for the engines that share a GPU (``kvpush up --mps``).
 
 Without it, the GPU time-slices between processes: while D decodes, P's prefill gets about half
-of the GPU (on the H200, a 2048-token prefill took 43 ms alone and 82-100 ms with D decoding
+of the GPU (on the H200, a 2048-token prefill took 43.2 ms alone and 81.7-100 ms with D decoding
 beside it, docs/benchmarks/gpu-serve/engines/). Under MPS the engines' kernels run side by
 side on the GPU's SMs, as one process's streams would.
 

@@ -124,6 +124,9 @@ def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
     for cited in ("b-results", "kvpush-tcp-read"):
         doc, data = folder / "parts" / f"{cited}.md", folder / "parts" / f"{cited}.json"
         assert report.check_doc(doc, data) is None, cited
+    for part in ("vllm-serve-1", "kvpush-push-1"):  # issue 29's run, in parts (engines/)
+        doc, data = folder / "engines" / f"{part}.md", folder / "engines" / f"{part}.json"
+        assert report.check_doc(doc, data) is None, part
 
 
 def msgspec_builtins(value: object) -> object:
