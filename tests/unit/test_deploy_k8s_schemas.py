@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_k8s.kustomize_lite import render
+from tests.deploy_k8s.kustomize import render
 from tests.deploy_k8s.layout import MONITORING, OVERLAYS
 from tests.deploy_k8s.manifests import RENDERED, deployment, named, render_applied
 from tests.deploy_k8s.schemas import schema_errors
