@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -45,7 +44,7 @@ class MpsDaemon:
             "CUDA_MPS_LOG_DIRECTORY": str(folder / "log"),
         }
 
-    def start(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    def start(self) -> dict[str, str]:
         """Launch the daemon; the clients' environment variables."""
         if not self.control:
             raise MpsError(f"--mps on: {CONTROL} is not on PATH (it comes with the GPU driver)")
@@ -55,7 +54,7 @@ class MpsDaemon:
             Path(folder).mkdir()
         done = subprocess.run(
             [self.control, "-d"],
-            env={**(os.environ if environ is None else environ), **env},
+            env={**os.environ, **env},
             capture_output=True,
             text=True,
             timeout=30,

@@ -90,7 +90,7 @@ class Stack:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         if cfg.mps == "on" and worker_config.resolve_device(cfg.device) == "cuda":
             self.mps = MpsDaemon()
-            os.environ.update(self.mps.start())  # every child inherits: an MPS client
+            os.environ.update(await asyncio.to_thread(self.mps.start))  # children: clients
             say(f"MPS: the engines on a GPU share its SMs (daemon in {self.mps.folder})")
 
     def _plan(self) -> None:

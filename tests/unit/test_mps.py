@@ -29,7 +29,7 @@ def _control(tmp_path: Path, status: int = 0) -> tuple[str, Path]:
 def test_the_stack_s_own_daemon_starts_hands_its_folders_on_and_quits(tmp_path) -> None:
     control, calls = _control(tmp_path)
     daemon = MpsDaemon(control)
-    env = daemon.start({})
+    env = daemon.start()
     pipe, log = Path(env["CUDA_MPS_PIPE_DIRECTORY"]), Path(env["CUDA_MPS_LOG_DIRECTORY"])
     assert pipe.is_dir() and log.is_dir() and pipe.parent == Path(daemon.folder)
     assert f"args=-d pipe={pipe} log={log}" in calls.read_text()
@@ -43,9 +43,9 @@ def test_the_stack_s_own_daemon_starts_hands_its_folders_on_and_quits(tmp_path) 
 def test_mps_that_cannot_start_says_why_and_leaves_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(MpsError, match="not on PATH"):
-        MpsDaemon().start({})
+        MpsDaemon().start()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the daemon's folder: here
     daemon = MpsDaemon(_control(tmp_path, status=3)[0])
     with pytest.raises(MpsError, match=r"-d failed \(3\)"):
-        daemon.start({})
+        daemon.start()
     assert daemon.folder == "" and not list(tmp_path.glob("kvpush-mps-*"))

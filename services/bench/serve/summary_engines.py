@@ -160,7 +160,7 @@ def starts(document: Document) -> list[Verdict]:
         cold = _start_point(None, False, "cold", "no data")
     runs = (document.systems.get(REFERENCE) or {}).get("runs") or []
     restarts = [r["restart_s"] for r in runs if r.get("restart_s")]  # --restart
-    warm_starts = [*restarts, *(ours[1:] if ours and len(ours) > 1 else [])]
+    warm_starts = [*restarts, *(ours or [])[1:]]  # a system's later starts: restarts too
     if warm_starts:
         warm = _start_point(min(warm_starts), min(warm_starts) <= WARM_START_S, "restart")
     else:

@@ -143,13 +143,16 @@ class BenchClient:
             while True:
                 raw = await asyncio.wait_for(process.stdout.readline(), timeout_s)
                 if not raw:
-                    return {"rc": 1, "error": f"the client exited ({self.log_path})"}
+                    raise ConnectionError("the client exited")
                 answer = json.loads(raw)
                 if "rc" in answer:
                     return dict(answer)
-        except (TimeoutError, ConnectionError) as exc:
-            await self.close()
-            return {"rc": 1, "error": f"no result in {timeout_s:g} s ({exc!r})"}
+        except TimeoutError:
+            error = f"no result in {timeout_s:g} s"
+        except ConnectionError as exc:
+            error = f"{exc} (its output: {self.log_path})"
+        await self.close()  # the next point starts a new one
+        return {"rc": 1, "error": error}
 
     async def close(self) -> None:
         process, self._process = self._process, None
