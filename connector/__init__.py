@@ -45,6 +45,7 @@ from kvpush.connector.transfer import Role, TransferEvent, TransferState
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.gate import LayerGate
 from kvpush.connector.vllm.runtime import ConnectorInfo
+from kvpush.connector.vllm.weights import normal_dummy_weights
 
 VLLM_CONNECTOR_MODULE = "kvpush.connector.vllm.connector"
 VLLM_CONNECTOR_CLASS = "KVPushConnector"
@@ -96,6 +97,7 @@ __all__ = [
     "emit_span",
     "ids_to_runs",
     "monotonic_to_ns",
+    "normal_dummy_weights",
     "now_ns",
     "pool_layout",
     "read_params",

@@ -199,6 +199,13 @@ class KVPushWorkerExtension:
         value = getattr(self, "available_kv_cache_memory_bytes", None)
         return int(value) if value else None
 
+    def kvpush_redraw_dummy_weights(self) -> None:
+        """Redraw this rank's dummy weights (``weights.normal_dummy_weights``; a swap test's
+        tool): a function cannot cross to the engine-core process, this method's name can."""
+        from kvpush.connector.vllm.weights import normal_dummy_weights
+
+        self.apply_model(normal_dummy_weights)  # type: ignore[attr-defined]
+
     def kvpush_suspect_peer(self, address: str) -> None:
         """The peer at ``address`` may be gone: the decode side probes it."""
         half = self._kvpush_half()

@@ -38,7 +38,7 @@ import msgspec
 from kvpush.connector import ConnectorInfo
 from kvpush.schemas.messages import Timing
 from kvpush.schemas.sampling import SamplingSpec
-from kvpush.services.workers import kv_memory, weights
+from kvpush.services.workers import kv_memory
 from kvpush.services.workers.engine import EngineHost
 from kvpush.services.workers.engine_config import (
     EngineConfig,
@@ -211,7 +211,7 @@ class CoreEngineHost:
         self._num_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
         if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
             report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
-            await engine.collective_rpc("apply_model", args=(weights.normal_dummy_weights,))
+            await engine.collective_rpc("kvpush_redraw_dummy_weights")
         if cfg.kv_transfer_config:
             infos = await engine.collective_rpc("kvpush_rank_info", timeout=RPC_TIMEOUT_S)
             ranks = [msgspec.convert(info, ConnectorInfo) for info in infos if info is not None]

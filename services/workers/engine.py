@@ -35,9 +35,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvpush.connector import EngineLink
+from kvpush.connector import EngineLink, normal_dummy_weights
 from kvpush.schemas.sampling import SamplingSpec
-from kvpush.services.workers import first_token, weights
+from kvpush.services.workers import first_token
 from kvpush.services.workers.engine_config import (
     EngineConfig,
     engine_env,
@@ -117,7 +117,7 @@ class EngineHost:
         )
         if cfg.load_format == "dummy" and cfg.dummy_weights == "normal":
             report("dummy weights redrawn: normal(0, 0.02) by parameter name, norms 1")
-            engine.apply_model(weights.normal_dummy_weights)
+            engine.apply_model(normal_dummy_weights)
         core = engine.engine_core.engine_core  # InprocClient -> EngineCore
         step_fn = core.step_fn
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from kvpush.services.bench.serve import report, results, summary, summary_engines, summary_gpu
 
 
@@ -154,3 +156,19 @@ def test_a_run_with_vllm_serve_is_judged_by_the_engine_targets() -> None:
     restarted = {v.key: v for v in summary_engines.verdicts_of(once, summary.rows(once))}
     assert [(p.value, p.met) for p in restarted["E10"].points] == [(62.5, False)]  # --restart
     assert "E1: TPOT mean <= 1.10x vllm-serve" in report.render(document)
+
+
+def test_cold_start_and_restart_are_judged_for_every_kvpush_system() -> None:
+    """Push and pull start the same engines: each kvpush system's starts are a point of E9, and
+    E10 has a point for each that started again (here pull, by --restart); eager rows stay out."""
+    document = _engines_document({"kvpush-push": [160.0], "vllm-serve": [100.0]})
+    for name, start_s in (("kvpush-pull", 120.0), ("kvpush-push-eager", 50.0)):
+        for point in [p for p in document.points if p.system == "kvpush-push"]:
+            document.points.append(msgspec.structs.replace(point, system=name, start_s=start_s))
+    document.systems["kvpush-pull"] = {"ok": True, "runs": [{"repeat": 0, "restart_s": 38.1}]}
+    found = {v.key: v for v in summary_engines.verdicts_of(document, summary.rows(document))}
+    e9 = [(p.label, p.value, p.met) for p in found["E9"].points]
+    assert e9 == [("kvpush-push cold", 1.6, False), ("kvpush-pull cold", 1.2, True)]
+    assert found["E9"].verdict == "missed"
+    e10 = [(p.label, p.value, p.met) for p in found["E10"].points]
+    assert e10 == [("kvpush-pull restart", 38.1, True)] and found["E10"].verdict == "met"

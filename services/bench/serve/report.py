@@ -138,7 +138,8 @@ def _verdict_lines(verdicts: list[summary.Verdict]) -> list[str]:
         items = []
         for p in v.points:
             value = _ratio(p.value) + (f" ({p.why})" if p.why else "")
-            text = f"{p.dataset} {p.input_len} {_point_label(p)}: {value}"
+            table = f"{p.dataset} {p.input_len} " if p.input_len else ""  # not a start point
+            text = f"{table}{_point_label(p)}: {value}"
             items.append(text if p.met else f"**{text}**")
         lines.append(f"- {v.key}: " + ("; ".join(items) if items else "no point in scope"))
     lines.append("")

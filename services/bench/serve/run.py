@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -178,10 +179,12 @@ class Bench:
 
     async def restart(self, system: System) -> float | None:
         """``--restart``: start the system once more on this host, right after its run (its
-        caches warm from that start); seconds to serving, or None if it failed to start."""
+        caches warm from that start; its logs in logs/restart, the run's stay); seconds to
+        serving, or None if it failed to start."""
+        ctx = dataclasses.replace(self.ctx, log_dir=self.ctx.log_dir / "restart")
         started = time.monotonic()
         try:
-            await system.start(self.ctx)
+            await system.start(ctx)
             restart_s = round(time.monotonic() - started, 1)
             _say(f"{system.name} restarted: serving after {restart_s} s")
             return restart_s

@@ -14,8 +14,8 @@ point of each scope listed (``summary.Verdict``); ratios are kvpush-push against
   kvpush-push's, every point; E7, E8: TPOT no worse than theirs (<= 1.00x), every point.
 - E9: start to ready, cold (a system's slowest start of the run: the first on a host) <= 1.5x
   vllm-serve's; E10: a restart on the same host (its fastest start, once it started twice; or
-  ``--restart``: each run's ``restart_s``)
-  <= 60 s.
+  ``--restart``: each run's ``restart_s``) <= 60 s. Both judge every kvpush system of the run
+  (a point each; E10 those that started again).
 - G5 (issue 16's budget, still standing): kvpush's own time in the TTFT at c=1 <= 3 ms; G6:
   token identity with vllm-serve (``summary_gpu``).
 
@@ -149,27 +149,36 @@ def _start_point(value: float | None, met: bool, label: str, why: str = "") -> V
     )
 
 
+def kvpush_systems(times: dict[str, list[float]]) -> list[str]:
+    """The kvpush systems of a run that E9 and E10 judge (push first; no eager rows)."""
+    found = [n for n in times if n.startswith("kvpush-") and not n.endswith("-eager")]
+    return sorted(found, key=lambda n: (n != REFERENCE, n))
+
+
 def starts(document: Document) -> list[Verdict]:
-    """E9 (cold start vs vllm-serve's) and E10 (a restart on the same host)."""
+    """E9 (cold start vs vllm-serve's) and E10 (a restart on the same host), one point for each
+    kvpush system of the run (push and pull start the same engines: each start counts)."""
     times = start_times(document)
-    ours, base = times.get(REFERENCE), times.get(BASELINE)
-    if ours and base:
-        ratio = round(max(ours) / max(base), 3)
-        cold = _start_point(ratio, ratio <= COLD_START_RATIO, "cold")
-    else:
-        cold = _start_point(None, False, "cold", "no data")
-    runs = (document.systems.get(REFERENCE) or {}).get("runs") or []
-    restarts = [r["restart_s"] for r in runs if r.get("restart_s")]  # --restart
-    warm_starts = [*restarts, *(ours or [])[1:]]  # a system's later starts: restarts too
-    if warm_starts:
-        warm = _start_point(min(warm_starts), min(warm_starts) <= WARM_START_S, "restart")
-    else:
-        warm = _start_point(None, False, "restart", "no data")
+    base = times.get(BASELINE)
+    cold, warm = [], []
+    for name in kvpush_systems(times):
+        ours = times[name]
+        if base:
+            ratio = round(max(ours) / max(base), 3)
+            cold.append(_start_point(ratio, ratio <= COLD_START_RATIO, f"{name} cold"))
+        runs = (document.systems.get(name) or {}).get("runs") or []
+        restarts = [r["restart_s"] for r in runs if r.get("restart_s")]  # --restart
+        warm_starts = [*restarts, *ours[1:]]  # a system's later starts: restarts too
+        if warm_starts:
+            fastest = min(warm_starts)
+            warm.append(_start_point(fastest, fastest <= WARM_START_S, f"{name} restart"))
+    cold = cold or [_start_point(None, False, "cold", "no data")]
+    warm = warm or [_start_point(None, False, "restart", "no data")]
     return [
         judge("E9", f"cold start <= {COLD_START_RATIO:g}x vllm-serve's", "the slowest start",
-              f"start s {REFERENCE} / {BASELINE}", [cold]),
+              f"start s kvpush / {BASELINE}", cold),
         judge("E10", f"restart on the same host <= {WARM_START_S:g} s", "the fastest start",
-              f"start s of {REFERENCE}", [warm]),
+              "start s of kvpush", warm),
     ]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Dummy weights a swap test can use: ``normal_dummy_weights``.
 
-Threading model: none (runs inside vLLM's ``apply_model``, on the engine's model thread).
+Threading model: none (runs inside vLLM's ``apply_model``, on the rank's model thread; in
+process mode through ``KVPushWorkerExtension.kvpush_redraw_dummy_weights``).
 """
 
 from __future__ import annotations
