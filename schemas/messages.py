@@ -182,7 +182,9 @@ class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
     Each service fills what it saw: the gateway ``arrived``/``published``/``first_byte``, P
     ``prefill_received``/``prefill_start``/``prefill_end`` (and ``kv_sent`` in push mode, the
     last WRITE done), D ``decode_received``/``kv_landed`` (pull: its READ done)/``first_token``,
-    and ``prefill_token`` when D continued from the first token P sampled (0: D sampled it).
+    and ``prefill_token`` when D continued from the first token P sampled (0: D sampled it);
+    ``kv_cached`` when D's own prefix cache held the prompt but for fewer tokens than a transfer
+    is worth (``min_transfer_tokens``): D computed those and asked for no KV.
     ``kvpush.services.telemetry.breakdown`` turns them into the TTFT breakdown. Clocks of
     different hosts are compared as they are: keep them NTP-synced.
     """
@@ -198,6 +200,7 @@ class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
     prefill_token: UnixNanos = 0  # D took up P's FirstToken (the receive was reported with it)
     first_token: UnixNanos = 0
     first_byte: UnixNanos = 0
+    kv_cached: UnixNanos = 0  # D's prefix cache held the prompt: no transfer was asked
 
 
 class KvReady(msgspec.Struct, **_tag("KvReady")):

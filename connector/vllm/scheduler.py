@@ -116,6 +116,8 @@ class SchedulerHalf:
             return 0, False
         missing = request.num_prompt_tokens - num_computed_tokens
         if missing < self.settings.min_transfer_tokens:
+            if num_computed_tokens:  # D's own prefix cache: not a fallback (the gateway's outcome)
+                self._marks.record(params.transfer_id, kv_cached=now_ns())
             return 0, False
         return missing, True
 

@@ -135,8 +135,9 @@ class GatewayMetrics:
         )
         self.kv_outcomes = Counter(
             "kvpush_gateway_kv_outcomes",
-            "push/pull requests by what decode did: received (the KV came from prefill) or "
-            "fallback (decode computed the prompt itself)",
+            "push/pull requests by what decode did: received (the KV came from prefill), "
+            "cached (decode's own prefix cache held the prompt: nothing to move) or fallback "
+            "(decode computed the prompt itself)",
             ["mode", "outcome"],
             registry=r,
         )

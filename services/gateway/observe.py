@@ -27,6 +27,14 @@ from kvpush.services.telemetry.breakdown import PART_NAMES, breakdown, merge
 MAX_TRACKED = 8192
 
 
+def outcome_of(timing: Timing | None) -> str:
+    """A served push/pull request's KV outcome: ``received`` (the KV came from P), ``cached``
+    (D's own prefix cache held the prompt: nothing to move) or ``fallback`` (D computed it)."""
+    if timing is not None and timing.kv_landed > 0:
+        return "received"
+    return "cached" if timing is not None and timing.kv_cached > 0 else "fallback"
+
+
 @dataclass(frozen=True)
 class FinishedRequest:
     """The gateway's view of one ended generation request."""
@@ -77,8 +85,7 @@ class Observer:
         self.counts["ok" if request.status == "ok" else "failed"] += 1
         outcome = ""
         if request.status == "ok" and request.mode != "local":
-            landed = request.worker_timing is not None and request.worker_timing.kv_landed > 0
-            outcome = "received" if landed else "fallback"
+            outcome = outcome_of(request.worker_timing)
             self.metrics.kv_outcomes.labels(request.mode, outcome).inc()
         own = Timing(
             arrived=request.arrived_ns,

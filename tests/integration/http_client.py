@@ -14,7 +14,7 @@ MODEL = "kvpush-tiny"
 
 
 async def complete(
-    url: str, prompt: str, mode: str, max_tokens: int = 8, **extra: Any
+    url: str, prompt: str | list[int], mode: str, max_tokens: int = 8, **extra: Any
 ) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a greedy /v1/completions request in ``mode``."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}

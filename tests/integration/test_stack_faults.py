@@ -89,7 +89,8 @@ async def blocks_back(stack: Stack, timeout_s: float = 40.0) -> None:
 
 async def kv_outcome(stack: Stack, answer: dict[str, Any]) -> str:
     """What D did with this served push/pull request, as the gateway recorded it when the
-    request ended (just after its last byte): "received" (the KV came from P) or "fallback"."""
+    request ended (just after its last byte): "received" (the KV came from P), "cached" (D's
+    prefix cache held the prompt) or "fallback"."""
     deadline = time.monotonic() + 30
     while True:
         rows = [r for r in stack.gateway.api.recent.snapshot() if r["request_id"] == answer["id"]]
@@ -183,6 +184,23 @@ async def wait_announced(stack: Stack, before: int, timeout_s: float = 20.0) -> 
 
 async def test_the_stack_is_whole_before_the_faults(stack: Stack, rng: random.Random) -> None:
     await serves_again(stack, rng)
+    await blocks_back(stack)
+
+
+async def test_a_prompt_d_s_prefix_cache_holds_is_counted_cached_not_fallback(
+    stack: Stack, rng: random.Random
+) -> None:
+    """D served this 129-token prompt before and its prefix cache holds the first block (128
+    tokens): one token is left, less than a transfer is worth (min_transfer_tokens), so D
+    computes it and asks for no KV. The gateway counts that "cached", not "fallback" (vLLM's
+    random bench prompts repeat now and then: the bench's transfer check failed such a point)."""
+    ids = [rng.randrange(10, 2000) for _ in range(129)]
+    status, first = await complete(stack.gateway.url, ids, "push")
+    assert status == 200, first
+    assert await kv_outcome(stack, first) == "received"
+    status, again = await complete(stack.gateway.url, ids, "push")
+    assert status == 200 and text_of(again) == text_of(first), again
+    assert await kv_outcome(stack, again) == "cached"
     await blocks_back(stack)
 
 

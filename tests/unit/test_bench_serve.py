@@ -232,6 +232,11 @@ def test_gateway_check_reads_the_real_metrics_text() -> None:
     short = checks.gateway_counts(_gateway_text({"push": 12}, {("push", "received"): 11}))
     check = checks.gateway_check(before, short, completed=10, mode="push")
     assert not check.ok and check.without_transfer == 1
+    held = {("push", "received"): 11, ("push", "cached"): 1}  # D's prefix cache held one prompt
+    cached = checks.gateway_counts(_gateway_text({"push": 12}, held))
+    check = checks.gateway_check(before, cached, completed=10, mode="push")
+    assert check.ok and check.without_transfer == 0
+    assert check.detail == "received 9 + 1 cached at D/10"
     nothing = checks.gateway_check(before, before, completed=0, mode="push")
     assert not nothing.ok and "no request served" in nothing.detail  # 0/0 proves nothing
 

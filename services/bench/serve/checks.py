@@ -9,10 +9,12 @@ any request was served without a transfer (or could not be verified). How, per s
   ``kvpush_gateway_routed_requests{mode}`` must grow only in the system's mode (never
   ``local``: the requests name their mode, so the gateway cannot degrade to local, but a
   routed-local request would be caught here too) and ``kvpush_gateway_kv_outcomes{mode,
-  outcome}`` must count every request served OK as ``received`` (``fallback``: D computed the
-  prompt itself after a failed transfer). The gateway counts an outcome right after the
-  request's last chunk, so the snapshot after the point waits (up to ``SETTLE_S``) until the
-  outcomes add up to the requests served.
+  outcome}`` must count every request served OK as ``received`` or ``cached`` (D's own prefix
+  cache held the prompt, as vLLM's random dataset repeats a prompt now and then with a small
+  vocabulary: nothing to move, as a vLLM peer's D reporting the prompt cached passes its check;
+  ``fallback``: D computed the prompt itself after a failed transfer). The gateway counts an
+  outcome right after the request's last chunk, so the snapshot after the point waits (up to
+  ``SETTLE_S``) until the outcomes add up to the requests served.
 
 ``proxy`` (vllm-pull, vllm-push): the proxy's ``GET /proxy/stats`` ``no_kv_params`` before
   and after (P answered without ``kv_transfer_params``: D has nothing to load), and per request
@@ -114,9 +116,10 @@ def gateway_check(
     """The check of a kvpush point from the counters around it (``completed``: served OK)."""
     d = _delta(before, after)
     received = _sum(d, "outcome.", ".received")
+    cached = _sum(d, "outcome.", ".cached")  # D's prefix cache held the prompt: counts as served
     fallback = _sum(d, "outcome.", ".fallback")
     other_modes = _sum(d, "routed.") - int(d.get(f"routed.{mode}", 0))
-    without = max(completed - received, fallback + other_modes, 0)
+    without = max(completed - received - cached, fallback + other_modes, 0)
     problems = []
     if fallback:
         problems.append(f"{fallback} fallback (D computed the prompt)")
@@ -127,11 +130,12 @@ def gateway_check(
             if k.startswith("routed.") and k != f"routed.{mode}" and v
         )
         problems.append(f"routed not {mode}: {routed}")
-    if received != completed:
-        problems.append(f"received {received} of {completed} served")
+    if received + cached != completed:
+        problems.append(f"received {received} (+ {cached} cached at D) of {completed} served")
     if not completed:
         problems.append("no request served: nothing to check")
-    detail = "; ".join(problems) or f"received {received}/{completed}"
+    held = f" + {cached} cached at D" if cached else ""
+    detail = "; ".join(problems) or f"received {received}{held}/{completed}"
     return TransferCheck(
         applies=True,
         ok=not problems,
