@@ -172,3 +172,6 @@ def test_cold_start_and_restart_are_judged_for_every_kvpush_system() -> None:
     assert found["E9"].verdict == "missed"
     e10 = [(p.label, p.value, p.met) for p in found["E10"].points]
     assert e10 == [("kvpush-pull restart", 38.1, True)] and found["E10"].verdict == "met"
+    starts = {name: (cold, warm) for name, cold, warm in summary_engines.start_rows(document)}
+    assert starts["kvpush-pull"] == (120.0, 38.1) and starts["kvpush-push"] == (160.0, None)
+    assert "| kvpush-pull | 120.0 | 38.1 |" in report.render(document)  # the table E9/E10 read

@@ -98,35 +98,63 @@ def test_gpu_md_swap_and_transport_sections_are_what_the_committed_runs_generate
     from tests.gpu import gpu_swap
 
     doc = DOCS / "benchmarks" / "gpu.md"
-    run = json.loads((DOCS / "benchmarks" / "gpu-swap-normal.json").read_text())
-    assert all(r["a_differs_from_b"] for r in run["rows"])  # the weights see the context
-    assert not docgen.update(doc, "gpu-swap", gpu_swap.table(run), gpu_swap.REPORT_COMMAND, True)
+    for name, section in gpu_swap.SECTIONS.items():
+        run = json.loads((DOCS / "benchmarks" / name).read_text())
+        assert all(r["a_differs_from_b"] for r in run["rows"])  # the weights see the context
+        command = gpu_swap.report_command(name)
+        assert not docgen.update(doc, section, gpu_swap.table(run), command, True), name
     body = transport_report.gpu_summary(DOCS / "benchmarks" / "gpu-transport")
     assert not docgen.update(doc, "gpu-transport", body, transport_report.GPU_REPORT_COMMAND, True)
 
 
-def test_gpu_serve_md_is_the_join_of_its_committed_parts() -> None:
-    """docs/benchmarks/gpu-serve.md's tables are what its results.json generates, that
-    results.json is what --join makes of the committed parts (in the doc's order), and the
-    reports of single parts the doc cites are what those parts generate."""
+ENGINE_PARTS = (
+    "vllm-serve-1",
+    "kvpush-push-1",
+    "kvpush-pull-1",
+    "vllm-pull-tuned-1",
+    "vllm-push-1",
+)
+
+
+def _joined_doc_agrees(doc: Path, folder: Path, parts: list[Path]) -> None:
+    """``doc``'s tables are what ``folder``/results.json generates, and that results.json (its
+    verdicts too) is what --join makes of ``parts`` in this order."""
     from kvpush.services.bench.serve import join, report, results, summary, summary_engines
 
-    folder = DOCS / "benchmarks" / "gpu-serve"
-    names = ("b-results.json", "a-results.partial.json", "c-vllm-pull-tuned.json")
-    parts = [folder / "parts" / name for name in (*names, "d-aggregated.json", "e-kvpush.json")]
     joined = join.join([join.load_part(p) for p in parts])
     committed = results.load(folder / "results.json")
     assert [p.system for p in committed.points] == [p.system for p in joined.points]
     assert committed.points == joined.points and committed.meta == joined.meta
     rows = summary.rows(joined)
     assert msgspec_builtins(summary_engines.verdicts_of(joined, rows)) == committed.verdicts
-    assert report.check_doc(DOCS / "benchmarks" / "gpu-serve.md", folder / "results.json") is None
+    assert report.check_doc(doc, folder / "results.json") is None
+
+
+def test_gpu_serve_md_is_the_join_of_issue_29_s_parts() -> None:
+    """docs/benchmarks/gpu-serve.md (every engine on its users' default flags) is the join of
+    the parts in gpu-serve/engines/, each part's own report what it generates."""
+    from kvpush.services.bench.serve import report
+
+    folder = DOCS / "benchmarks" / "gpu-serve"
+    parts = [folder / "engines" / f"{name}.json" for name in ENGINE_PARTS]
+    _joined_doc_agrees(DOCS / "benchmarks" / "gpu-serve.md", folder, parts)
+    for part in ENGINE_PARTS:
+        doc, data = folder / "engines" / f"{part}.md", folder / "engines" / f"{part}.json"
+        assert report.check_doc(doc, data) is None, part
+
+
+def test_the_eager_run_s_doc_is_the_join_of_its_committed_parts() -> None:
+    """docs/benchmarks/gpu-serve-eager.md (the earlier run, every peer with --enforce-eager)
+    is the join of its parts, and the reports of single parts it cites are what they generate."""
+    from kvpush.services.bench.serve import report
+
+    folder = DOCS / "benchmarks" / "gpu-serve-eager"
+    names = ("b-results.json", "a-results.partial.json", "c-vllm-pull-tuned.json")
+    parts = [folder / "parts" / name for name in (*names, "d-aggregated.json", "e-kvpush.json")]
+    _joined_doc_agrees(DOCS / "benchmarks" / "gpu-serve-eager.md", folder, parts)
     for cited in ("b-results", "kvpush-tcp-read"):
         doc, data = folder / "parts" / f"{cited}.md", folder / "parts" / f"{cited}.json"
         assert report.check_doc(doc, data) is None, cited
-    for part in ("vllm-serve-1", "kvpush-push-1"):  # issue 29's run, in parts (engines/)
-        doc, data = folder / "engines" / f"{part}.md", folder / "engines" / f"{part}.json"
-        assert report.check_doc(doc, data) is None, part
 
 
 def msgspec_builtins(value: object) -> object:

@@ -222,6 +222,8 @@ def render(document: Document, plots_prefix: str = "") -> str:
     ratios = summary.ratios(all_rows)
     lines = ["## Results (generated)", "", *_meta_lines(document)]
     lines += _verdict_lines(summary_engines.verdicts_of(document, all_rows))
+    if summary_engines.applies(document):
+        lines += _start_lines(document)
     for dataset, input_len in summary.tables(document):
         rows = [r for r in all_rows if r.table == (dataset, input_len)]
         repeats = int(document.meta.get("repeats") or 1)
@@ -237,6 +239,16 @@ def render(document: Document, plots_prefix: str = "") -> str:
             lines.append(f"- {name}: {str(info.get('error', '?')).splitlines()[0][:200]}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _start_lines(document: Document) -> list[str]:
+    """Each system's start to ready (E9, E10): the slowest start and the fastest restart."""
+    lines = ["Start to ready, seconds (cold: the system's slowest start, its first on a host;"]
+    lines += ["restart: its fastest start on a host it started on before):", ""]
+    lines += ["| system | cold | restart |", "|---|---|---|"]
+    for name, cold, warm in summary_engines.start_rows(document):
+        lines.append(f"| {name} | {cold:.1f} | {'—' if warm is None else f'{warm:.1f}'} |")
+    return [*lines, ""]
 
 
 def _relative(path: Path, start: Path) -> str:

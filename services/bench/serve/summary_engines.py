@@ -149,6 +149,22 @@ def _start_point(value: float | None, met: bool, label: str, why: str = "") -> V
     )
 
 
+def restart_times(document: Document, name: str) -> list[float]:
+    """``name``'s starts on a host it started on before: ``--restart``'s and later repeats'."""
+    runs = (document.systems.get(name) or {}).get("runs") or []
+    restarts = [r["restart_s"] for r in runs if r.get("restart_s")]  # --restart
+    return [*restarts, *start_times(document).get(name, [])[1:]]
+
+
+def start_rows(document: Document) -> list[tuple[str, float, float | None]]:
+    """Per system: its slowest start (cold, the first on a host) and its fastest restart."""
+    rows = []
+    for name, seconds in start_times(document).items():
+        warm = restart_times(document, name)
+        rows.append((name, max(seconds), min(warm) if warm else None))
+    return rows
+
+
 def kvpush_systems(times: dict[str, list[float]]) -> list[str]:
     """The kvpush systems of a run that E9 and E10 judge (push first; no eager rows)."""
     found = [n for n in times if n.startswith("kvpush-") and not n.endswith("-eager")]
@@ -166,9 +182,7 @@ def starts(document: Document) -> list[Verdict]:
         if base:
             ratio = round(max(ours) / max(base), 3)
             cold.append(_start_point(ratio, ratio <= COLD_START_RATIO, f"{name} cold"))
-        runs = (document.systems.get(name) or {}).get("runs") or []
-        restarts = [r["restart_s"] for r in runs if r.get("restart_s")]  # --restart
-        warm_starts = [*restarts, *ours[1:]]  # a system's later starts: restarts too
+        warm_starts = restart_times(document, name)
         if warm_starts:
             fastest = min(warm_starts)
             warm.append(_start_point(fastest, fastest <= WARM_START_S, f"{name} restart"))
