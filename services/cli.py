@@ -2,7 +2,8 @@
 
 This module owns argument parsing and dispatch only; each command's work lives in the module
 it names. Heavy imports (vLLM, torch, transformers) happen inside the command that needs them,
-so ``kvpush --help`` and ``kvpush schemas ...`` answer instantly.
+so ``kvpush --help`` and ``kvpush schemas ...`` answer instantly. ``kvpush bench ...`` hands its
+arguments to kvpush.benchmarks.cli, imported only then: the runtime never imports the benchmarks.
 
 Threading model: runs on the main thread; commands that serve start their own asyncio loop.
 """
@@ -14,9 +15,8 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 EPILOG = """\
 Quick start:
@@ -101,78 +101,24 @@ def _cmd_nats(args: argparse.Namespace) -> int:
     return 0
 
 
-_BENCH_SERVE_EPILOG = """\
-Examples:
-  kvpush bench serve --quick                      smoke run of all five systems (~10 min)
-  kvpush bench serve --out-dir docs/benchmarks/serve
-  kvpush bench serve --systems kvpush-push,vllm-pull --input-lens 2048 --qps 0.5,1,1.2
-  kvpush bench report docs/benchmarks/serve/results.json --out docs/benchmarks/serve.md"""
+BENCH_HELP = "benchmarks (results go under docs/benchmarks/; kvpush bench --help lists them)"
 
 
-_SOAK_DOC = """\
-kvpush bench soak: its own stack (nats-server, gateway, one slow prefill worker, one decode
-worker, tiny model), greedy requests in push/pull/local mode (JSON, streamed, dropped by the
-client) checked by token ids against references, and a fault every --fault-every seconds (kill
-P or D, stop D past its lease, restart nats-server, a burst past the in-flight bound). Before
-and after each fault the load pauses and every worker's idle free blocks are recorded: leaks
-per fault kind. Every error must be an OpenAI error body that the running fault explains.
-Exit 1 on a wrong token, an unexpected answer, a leaked block, or a success share below
---min-success-share. --report IN renders a JSON report again; --doc MD rewrites its table."""
-
-
-def _soak_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpush.services.bench import soak
-
-    soak.add_arguments(parser)
-
-
-def _cmd_bench_soak(args: argparse.Namespace) -> int:
-    from kvpush.services.bench import soak
-
-    return soak.main(args)
-
-
-def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from kvpush.services.bench.serve import run
-
-    return run.main(args)
-
-
-def _cmd_bench_report(args: argparse.Namespace) -> int:
-    from kvpush.services.bench.serve import report
-
-    return report.main(args)
-
-
-def _action(
-    sub: Any,
-    name: str,
-    help_text: str,
-    description: str | None,
-    add_arguments: Callable[[argparse.ArgumentParser], None],
-    func: Callable[[argparse.Namespace], int],
-) -> None:
-    """One subcommand: its parser (help, raw description), its arguments, its function."""
-    parser = sub.add_parser(
-        name,
-        help=help_text,
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=func)
-
-
-def _cmd_bench_idle(args: argparse.Namespace) -> int:
-    from kvpush.services.bench import idle
-
-    return idle.main(args)
-
-
-def _cmd_bench_transport(args: argparse.Namespace) -> int:
-    from kvpush.services.bench import transport
-
-    return transport.main(args)
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """``kvpush bench ...``: the only place the runtime imports kvpush.benchmarks, here, when
+    ``bench`` is the command (tests/unit/test_import_graph.py holds it to this function)."""
+    try:
+        from kvpush.benchmarks import cli as bench_cli
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("kvpush.benchmarks"):
+            raise
+        print(
+            "kvpush bench: the benchmarks (kvpush.benchmarks, benchmarks/ of the source tree) "
+            "are not installed: pip install -e '.[bench]' from a checkout",
+            file=sys.stderr,
+        )
+        return 2
+    return bench_cli.main(args.bench_argv)
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
@@ -275,53 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     natsd.add_argument("--port", type=int, default=4222, help="-1 picks a free port")
     natsd.set_defaults(func=_cmd_nats)
 
-    bench = sub.add_parser("bench", help="benchmarks (results go under docs/benchmarks/)")
-    bench_sub = bench.add_subparsers(dest="action", required=True, metavar="ACTION")
-    from kvpush.services.bench import idle as bench_idle
-    from kvpush.services.bench import serve as bench_serve
-    from kvpush.services.bench import transport as bench_transport
-
-    _action(
-        bench_sub,
-        "transport",
-        "NIXL push/pull vs raw WRITE vs memcpy at the bench model's KV sizes",
-        bench_transport.__doc__,
-        bench_transport.add_arguments,
-        _cmd_bench_transport,
-    )
-    _action(
-        bench_sub,
-        "idle",
-        "CPU a decode engine burns while it waits for KV, per executor mode",
-        bench_idle.__doc__,
-        bench_idle.add_arguments,
-        _cmd_bench_idle,
-    )
-    _action(
-        bench_sub,
-        "serve",
-        "kvpush push/pull vs vLLM's NixlConnector/NixlPushConnector vs one engine, "
-        "over HTTP, QPS sweep",
-        (bench_serve.__doc__ or "") + "\n\n" + _BENCH_SERVE_EPILOG,
-        bench_serve.add_arguments,
-        _cmd_bench_serve,
-    )
-    _action(
-        bench_sub,
-        "report",
-        "the markdown tables and target verdicts of a `bench serve` results.json",
-        bench_serve.REPORT_DOC,
-        bench_serve.add_report_arguments,
-        _cmd_bench_report,
-    )
-    soak = bench_sub.add_parser(
-        "soak",
-        help="load + random faults for N minutes: 0 wrong tokens, 0 leaks, 0 unexpected errors",
-        description=_SOAK_DOC,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _soak_arguments(soak)
-    soak.set_defaults(func=_cmd_bench_soak)
+    # everything after `bench` goes to kvpush.benchmarks.cli unparsed (its own --help included)
+    bench = sub.add_parser("bench", help=BENCH_HELP, add_help=False, prefix_chars="\0")
+    bench.add_argument("bench_argv", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
 
     from kvpush.services import up, up_config
     from kvpush.services.workers import config as worker_config

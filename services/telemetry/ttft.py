@@ -105,7 +105,7 @@ def _check_args(args: argparse.Namespace) -> None:
         if not Path(path).absolute().parent.is_dir():
             raise UsageError(f"{flag} {path}: no such folder {Path(path).absolute().parent}")
     if args.png and importlib.util.find_spec("PIL") is None:
-        raise UsageError("--png needs Pillow (pip install pillow)")
+        raise UsageError("--png needs Pillow, in the bench extra: pip install 'kvpush[bench]'")
 
 
 def _write_outputs(report: Report, args: argparse.Namespace) -> None:

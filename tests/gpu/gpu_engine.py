@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.gpu.gpu_transport import ensure_kvpush_importable
+from tests.gpu.checkout import ensure_kvpush_importable
 
 
 def start(system: str, out: Path, model_dir: Path, port: int, extra: list[str]) -> Any:

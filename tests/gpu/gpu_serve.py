@@ -14,7 +14,7 @@ Run on the GPU host (the vLLM bundle on PYTHONPATH, nats-server on PATH)::
 
 Without CUDA, vLLM, nixl or nats-server it prints ``SKIP: ...`` and exits 0 (pytest does not
 collect it; CI never runs it). ``--report JSON --doc DOC [--check]`` writes (checks) the table
-of a committed run into its doc (``REPORT_COMMAND``; tests/unit/test_docs_generated.py).
+of a committed run into its doc (``REPORT_COMMAND``; tests/benchmarks/test_docs_generated.py).
 
 Every mode asks the same prompt, local first: P's prefix cache then holds it for pull (after
 push), so pull's P leg is a cache hit; the table is a correctness check with timings for
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.gpu.gpu_transport import ensure_kvpush_importable
+from tests.gpu.checkout import ensure_kvpush_importable
 
 LENGTHS = (512, 2048, 8000)
 MODES = ("local", "push", "pull")
@@ -53,15 +53,17 @@ VLLM_REPORT_COMMAND = (
 
 
 def section_of(result: dict[str, Any]) -> tuple[str, str]:
-    """The doc section (name, command) of a run: the vLLM frontend's has its own."""
-    if result.get("frontend", "kvpush") == "vllm":
+    """The doc section (name, command) of a run: those with vLLM's API features (every run since
+    the gateway answers with vLLM's serving layer only) have their own; ``gpu-serve`` keeps the
+    committed run of the gateway's older parser."""
+    if "features" in result:
         return "gpu-serve-vllm", VLLM_REPORT_COMMAND
     return "gpu-serve", REPORT_COMMAND
 
 
 def table(result: dict[str, Any]) -> str:
     """The committed run as a markdown table (one row per prompt), with its provenance."""
-    from kvpush.services.bench import docgen
+    from kvpush.benchmarks import docgen
 
     head = ("prompt tokens", "run", "TTFT ms local", "TTFT ms push", "TTFT ms pull")
     head += ("push = local", "pull = local", "KV received (push, pull)")
@@ -78,14 +80,13 @@ def table(result: dict[str, Any]) -> str:
             )
         )
     meta = result.get("meta", {})
-    frontend = " --frontend vllm" if result.get("frontend") == "vllm" else ""
     note = (
-        f"`kvpush up --device cuda --load-format dummy{frontend}`, model {result['model']}, "
+        f"`kvpush up --device cuda --load-format dummy`, model {result['model']}, "
         f"greedy, {len(result['rows'])} prompts x 3 modes; stack up in {result['start_s']} s; run "
         f"{meta.get('stamp', '?')} on {meta.get('machine', '?')} at {meta.get('revision', '?')}."
     )
     body = docgen.table(head, rows) + "\n\n" + note
-    if "features" in result:  # the vLLM frontend's API, push and pull (HTTP statuses)
+    if "features" in result:  # vLLM's API through the gateway, push and pull (HTTP statuses)
         statuses = result["features"]
         names = sorted({key.split("/")[0] for key in statuses if "/" in key})
         rows = [(n, statuses[f"{n}/push"][0], statuses[f"{n}/pull"][0]) for n in names]
@@ -161,7 +162,7 @@ async def outcomes(url: str, ids: list[str]) -> dict[str, str]:
         while True:
             async with http.get(f"{url}/dashboard/data") as resp:
                 rows = {r["request_id"]: r for r in (await resp.json())["requests"]}
-            # the vLLM frontend's engine request of prompt i is "<response id>-<i>"
+            # vLLM's serving layer names the engine request of prompt i "<response id>-<i>"
             found = {rid: rows.get(rid) or rows.get(f"{rid}-0") for rid in ids}
             if all(found.values()) or time.monotonic() > deadline:
                 return {rid: (row or {}).get("kv", "missing") for rid, row in found.items()}
@@ -193,8 +194,8 @@ FEATURES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 
 async def features(url: str, model: str) -> dict[str, Any]:
-    """vLLM's API through the gateway's vLLM frontend (this vLLM's serving layer): the status
-    of each request, push and pull."""
+    """vLLM's API through the gateway (this vLLM's serving layer): the status of each request,
+    push and pull."""
     import aiohttp
 
     statuses: dict[str, Any] = {}
@@ -227,11 +228,8 @@ async def exercise(url: str, model: str, repeats: int, max_tokens: int) -> list[
     return rows
 
 
-def start_up(
-    out: Path, model_dir: Path, port: int, mode: str, frontend: str = "kvpush"
-) -> subprocess.Popen[bytes]:
+def start_up(out: Path, model_dir: Path, port: int, mode: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port)]
-    argv += ["--frontend", frontend]
     argv += ["--model", str(model_dir), "--device", "cuda", "--load-format", "dummy"]
     argv += ["--mode", mode, "--log-dir", str(out / "logs")]
     argv += ["--trace-file", str(out / "logs" / "trace.jsonl")]
@@ -268,14 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8411)
     parser.add_argument("--start-timeout-s", type=float, default=300.0)
-    parser.add_argument("--frontend", default="kvpush", choices=("kvpush", "vllm"))
     parser.add_argument("--report", metavar="JSON", help="render a committed run instead")
     parser.add_argument("--doc", metavar="MD", help="with --report: the doc to write")
     parser.add_argument("--check", action="store_true", help="with --doc: only compare")
     args = parser.parse_args(argv)
     if args.report:
         ensure_kvpush_importable()
-        from kvpush.services.bench import docgen
+        from kvpush.benchmarks import docgen
 
         run = json.loads(Path(args.report).read_text())
         name, command = section_of(run)
@@ -294,9 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer not in the bundle
     model_dir = models.build_model(models.LLAMA_8B, Path("/tmp/kvpush-llama-8b"))
     started = time.monotonic()
-    proc = start_up(out, model_dir, args.port, "push", args.frontend)
+    proc = start_up(out, model_dir, args.port, "push")
     result: dict[str, Any] = {"model": models.LLAMA_8B.name, "lengths": list(LENGTHS)}
-    result["frontend"] = args.frontend
     result["meta"] = {
         "stamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": os.environ.get("KVPUSH_MACHINE", "a CUDA host"),
@@ -308,9 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"up in {result['start_s']} s at {url}", flush=True)
         rows = asyncio.run(exercise(url, models.LLAMA_8B.name, args.repeats, args.max_tokens))
         result["rows"] = rows
-        if args.frontend == "vllm":
-            result["features"] = asyncio.run(features(url, models.LLAMA_8B.name))
-            print(json.dumps(result["features"])[:2000], flush=True)
+        result["features"] = asyncio.run(features(url, models.LLAMA_8B.name))
+        print(json.dumps(result["features"])[:2000], flush=True)
     except Exception as exc:  # keep what we have: the logs say the rest
         result["error"] = repr(exc)[:2000]
     finally:

@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tests.gpu.checkout import ensure_kvpush_importable
 from tests.gpu.gpu_serve import skip_reason
-from tests.gpu.gpu_transport import ensure_kvpush_importable
 
 MAX_TOKENS = 16
 PAIRS = 3  # prompt pairs per mode and length
@@ -68,7 +68,7 @@ def report_command(json_name: str) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """A committed run as a markdown table: one row per swap, then the verdict."""
-    from kvpush.services.bench import docgen
+    from kvpush.benchmarks import docgen
 
     head = ("mode", "prompt tokens", "tokens agreeing with A's answer", "with B's answer")
     head += ("first-token logprob distance to A / B", "A token for token", "KV landed", "pass")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report:
         ensure_kvpush_importable()
-        from kvpush.services.bench import docgen
+        from kvpush.benchmarks import docgen
 
         name = Path(args.report).name
         body = table(json.loads(Path(args.report).read_text()))

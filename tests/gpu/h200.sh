@@ -8,8 +8,8 @@
 #
 # STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
 # under other poll intervals), stream (the streamed push with a worker's intervals), swap
-# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve; check-vllm: through the gateway's vLLM
-# frontend, with its API features), serve-a / serve-b / serve-tuned /
+# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve, with vLLM's API features; check-vllm: the
+# same, one repeat, into check-vllm), serve-a / serve-b / serve-tuned /
 # serve-kvpush / serve-aggregated (the serving
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
@@ -25,7 +25,7 @@ if [ ! -d /tmp/site/vllm ]; then
 fi
 mkdir -p /tmp/bin /tmp/kp/kvpush
 [ -x /tmp/bin/nats-server ] || cp .venv/bin/nats-server /tmp/bin/
-for part in connector schemas services; do ln -sfn "$PWD/$part" "/tmp/kp/kvpush/$part"; done
+for part in connector schemas services benchmarks; do ln -sfn "$PWD/$part" "/tmp/kp/kvpush/$part"; done
 export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/kp:/tmp/site PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NIXL_LOG_LEVEL=WARN
 
@@ -105,9 +105,9 @@ engine-trace)
     tar czf "$out/engine-trace.tgz" -C "$out" engine && rm -rf "$out/engine"
     ;;
 check-vllm)
-    # the same with the gateway's vLLM frontend (vLLM 0.26's serving layer) and its API features
+    # the same, one repeat (the gateway answers with vLLM 0.26's serving layer, API features too)
     timeout 300 setsid python3 -m tests.gpu.gpu_serve --out "$out/check-vllm" --repeats 1 \
-        --frontend vllm 2>&1 | tail -14
+        2>&1 | tail -14
     ;;
 serve-aggregated)
     # the one-engine floor again, in the same sitting as serve-kvpush

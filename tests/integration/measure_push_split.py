@@ -12,7 +12,7 @@ Every instant is on one clock (``time.monotonic``, shared by the processes of on
 counted from the moment both legs were sent. Also measures D alone (aggregated: one engine
 computes prompt + first token). ``--json`` keeps every repeat's instants; ``--report`` makes the
 table (medians per event, and per repeat the order of P's finished output and its bus event)
-that docs/connector.md carries in a generated section (``kvpush.services.bench.
+that docs/connector.md carries in a generated section (``kvpush.benchmarks.
 push_split_report``).
 
 Threading model: the main thread drives the engines (child processes) one request at a time;
@@ -33,10 +33,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvpush.benchmarks import docgen, push_split_report
 from kvpush.connector.bus import Bus, BusConfig
 from kvpush.schemas import KvPushed, subjects
 from kvpush.services import models
-from kvpush.services.bench import docgen, push_split_report
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, PREFILL_ID, connector_config
 from tests.integration.engine_proc import D_CORES, P_CORES, start_engine

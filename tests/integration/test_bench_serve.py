@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from kvpush.benchmarks.serve import plan
+from kvpush.benchmarks.serve.run import Bench
+from kvpush.benchmarks.serve.systems import BenchContext, KvpushPush
 from kvpush.services import models
-from kvpush.services.bench.serve import plan
-from kvpush.services.bench.serve.run import Bench
-from kvpush.services.bench.serve.systems import BenchContext, KvpushPush
 from kvpush.services.telemetry.breakdown import PART_NAMES
 
 pytestmark = pytest.mark.engine

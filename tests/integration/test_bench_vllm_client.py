@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpush.services.bench.serve import loadgen, vllm_client
+from kvpush.benchmarks.serve import loadgen, vllm_client
 from tests.http_server import serving_completions
 
 GAP_S = 0.02

@@ -1,0 +1,104 @@
+"""``kvpush bench serve --join``: one results document from runs made in parts.
+
+A sweep too long for one sitting (a lent GPU host gives 10 minutes a command) runs in parts,
+each a whole ``kvpush bench serve`` with its own systems and the same plan otherwise: tables,
+load points, repeats, and the prefill capacity given with ``--capacity`` (so every part derives
+the same rates and, from the point ids, the same prompts). ``join`` checks that the parts agree
+on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems and
+the revision, plus the given capacity), then takes each system's points from the last part that
+ran it (a part that re-ran a failed system replaces the earlier one). Each part's revision,
+date, systems and command line are kept under ``meta["parts"]``. A part cut short (killed at
+its time limit) joins with the checkpoint it saved after each system (``load_part``).
+
+Threading model: pure functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvpush.benchmarks.serve import ALL_SYSTEMS, checkpoint, results
+from kvpush.benchmarks.serve.checkpoint import SAME_RUN_KEYS
+from kvpush.benchmarks.serve.results import Document
+
+PART_KEYS = ("date", "kvpush_rev", "systems", "argv")
+FREE_KEYS = ("kvpush_rev", "systems")  # what parts may differ in
+
+
+class JoinError(ValueError):
+    """The parts are not parts of one run (the message says which key differs)."""
+
+
+def load_part(path: Path) -> Document:
+    """A part's results.json, or the checkpoint of a part cut short (``results.partial.json``:
+    the systems it completed)."""
+    if not path.name.endswith(".partial.json"):  # results.partial.json, or a copy renamed
+        return results.load(path)
+    saved = msgspec.json.decode(path.read_bytes(), type=checkpoint.Checkpoint)
+    systems: dict[str, Any] = {}
+    repeats = int(saved.meta.get("repeats") or 1)
+    for name, records in saved.runs.items():
+        if records:
+            failed = [r for r in records if not r.get("ok")]
+            systems[name] = {"ok": not failed, "runs": records}
+            if failed:
+                systems[name]["error"] = failed[0].get("error", "")
+            elif len(records) < repeats:  # the cut came between two of its repeats
+                systems[name].update(
+                    ok=False, error=f"cut short: {len(records)} of {repeats} repeats ran"
+                )
+    return Document(
+        schema=results.SCHEMA,
+        meta={**saved.meta, "cut_short": True},
+        systems=systems,
+        capacity=saved.capacity,
+        rates_by_len={k: [r.qps for r in v] for k, v in saved.rates.items()},
+        points=saved.points,
+    )
+
+
+def join(parts: list[Document]) -> Document:
+    if not parts:
+        raise JoinError("--join: no results given")
+    first = parts[0]
+    keys = [k for k in SAME_RUN_KEYS if k not in FREE_KEYS]
+    for n, part in enumerate(parts[1:], 2):
+        differs = [k for k in keys if part.meta.get(k) != first.meta.get(k)]
+        if differs:
+            detail = ", ".join(
+                f"{k}: {first.meta.get(k)!r} in part 1, {part.meta.get(k)!r} in part {n}"
+                for k in differs
+            )
+            raise JoinError(f"--join: part {n} is not a part of the same run ({detail})")
+    if len(parts) > 1 and not first.meta.get("capacity_given") and first.meta.get("qps") == "auto":
+        raise JoinError(
+            "--join: the parts probed their own capacity (rates differ between parts); run them "
+            "with the same --capacity"
+        )
+    owner: dict[str, int] = {}  # system -> index of the last part that ran it
+    for index, part in enumerate(parts):
+        for name in part.systems or {p.system: None for p in part.points}:
+            owner[name] = index
+    systems = sorted(owner, key=lambda s: ALL_SYSTEMS.index(s) if s in ALL_SYSTEMS else 99)
+    meta = {**first.meta, "systems": systems}
+    meta["parts"] = [
+        {**{k: part.meta.get(k) for k in PART_KEYS}, "ran": list(part.systems)} for part in parts
+    ]
+    meta["kvpush_rev"] = ",".join(dict.fromkeys(str(p.meta.get("kvpush_rev")) for p in parts))
+    joined = Document(schema=first.schema, meta=meta)
+    for name in systems:
+        part = parts[owner[name]]
+        joined.points += [p for p in part.points if p.system == name]
+        if name in part.systems:
+            joined.systems[name] = part.systems[name]
+    for n, part in enumerate(parts, 1):
+        for length, rates in part.rates_by_len.items():
+            if joined.rates_by_len.get(length, rates) != rates:
+                raise JoinError(f"--join: part {n} measured other rates at {length} tokens")
+            joined.rates_by_len[length] = rates
+        joined.capacity.update(part.capacity)
+    joined.meta.pop("cut_short", None)
+    return joined

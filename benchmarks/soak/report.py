@@ -1,0 +1,192 @@
+"""The soak's report: one typed document (written as JSON), its verdict, and its markdown.
+
+``SoakReport`` is what ``kvpush bench soak --json OUT`` writes; ``load`` reads it back.
+``failures`` is the verdict: the run fails on any wrong token (a 200 or an aborted stream's
+prefix whose ids differ from the reference), any unexpected answer (an error the running fault
+does not explain, a non-OpenAI body, a reset, a timeout), any leaked block or worker that never
+went idle, a success share below ``--min-success-share``, no fault injected (or a kind of
+fault missing from a whole round), no request checked with KV received from the prefill worker
+in push and in pull mode (a soak of local answers proves nothing about KV), the gateway's own
+kv outcome counts disagreeing with the soak's checked paths, or a load phase that stopped
+early (a worker or nats-server that failed on its own).
+
+``markdown`` renders the tables of a report, deterministically, so the copy in
+``docs/reliability.md`` (its generated section ``SECTION``, see ``kvpush.benchmarks.docgen``)
+can be checked against the committed JSON.
+
+Threading model: none (pure functions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from kvpush.benchmarks.soak.accounting import (
+    ErrorKind,
+    Interval,
+    LeakSummary,
+    PathCount,
+    leak_failures,
+)
+from kvpush.benchmarks.soak.checks import FAULTS
+
+SECTION: Final = "soak"
+REPORT_COMMAND: Final = (
+    "kvpush bench soak --report docs/reliability-soak.json --doc docs/reliability.md"
+)
+TRANSFERRED: Final = ("push/received", "pull/received")
+
+
+class SoakSettings(msgspec.Struct, frozen=True):
+    minutes: float
+    concurrency: int
+    fault_every_s: float
+    recovery_s: float
+    abort_share: float
+    stream_share: float
+    layer_delay_ms: float
+    prompts: int
+    max_tokens: int
+    seed: int
+    gateway_max_inflight: int
+    burst_clients: int
+    settle_timeout_s: float
+    min_success_share: float
+
+
+class SoakReport(msgspec.Struct, frozen=True):
+    settings: SoakSettings
+    wall_s: float  # the whole run, stack start to stop
+    load_s: float  # load and faults, quiesces included
+    counts: dict[str, int]  # by checks.Category value
+    sent: int
+    success_share: float
+    paths: list[PathCount]
+    windows: dict[str, dict[str, int]]  # window -> category -> requests sent in it
+    errors: list[ErrorKind]
+    examples: list[str]  # the first wrong / unexpected answers
+    faults: dict[str, int]
+    intervals: list[Interval]
+    leaks: list[LeakSummary]
+    gateway_kv_outcomes: dict[str, int]  # the gateway's own counter: must agree with paths
+    failures: list[str]  # empty: the run passed
+    date: str = "-"  # when the run started (UTC)
+    kvpush_rev: str = "-"  # the code it ran (``-dirty``: with uncommitted changes)
+    stopped_early: str = ""  # why the load phase ended before its time (a failure)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def failures(report: SoakReport) -> list[str]:
+    """The verdict of a report (without its own ``failures``); see the module docstring."""
+    out = []
+    counts = report.counts
+    if counts.get("wrong", 0):
+        out.append(f"{counts['wrong']} answer(s) with wrong tokens")
+    if counts.get("unexpected", 0):
+        out.append(f"{counts['unexpected']} unexpected answer(s)")
+    floor = report.settings.min_success_share
+    if report.success_share < floor:
+        out.append(f"success share {report.success_share:.3f} below {floor:g}")
+    if report.stopped_early:
+        out.append(f"the run stopped early: {report.stopped_early}")
+    if not report.faults:
+        out.append("no fault was injected")
+    elif sum(report.faults.values()) >= len(FAULTS):  # a whole round ran: every kind in it
+        out += [f"fault {kind} never ran" for kind in FAULTS if not report.faults.get(kind)]
+    checked = {p.path: p.json + p.stream for p in report.paths}
+    out += [f"no {path} request was checked" for path in TRANSFERRED if not checked.get(path)]
+    if not counts.get("unverified", 0):  # every 200 attributed to a path: the two must agree
+        for path in sorted({*report.gateway_kv_outcomes, *(p for p in checked if "/" in p)}):
+            gateway, soak = report.gateway_kv_outcomes.get(path, 0), checked.get(path, 0)
+            if gateway != soak:
+                out.append(f"{path}: the gateway counted {gateway}, the soak checked {soak}")
+    return out + leak_failures(report.intervals)
+
+
+def load(path: Path) -> SoakReport:
+    return msgspec.json.decode(path.read_bytes(), type=SoakReport)
+
+
+def dump(report: SoakReport) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n"
+
+
+def _share(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _workers(counts: dict[str, int]) -> str:
+    return ", ".join(f"{w} x{n}" for w, n in counts.items()) or "-"
+
+
+def markdown(report: SoakReport) -> str:
+    s, c = report.settings, report.counts
+    verdict = "**PASS**" if report.passed else "**FAIL**: " + "; ".join(report.failures)
+    lines = [
+        f"Run ({report.date}, commit {report.kvpush_rev}): {s.minutes:g} min of load and "
+        f"faults ({report.load_s:.0f} s with the quiesces, "
+        f"{report.wall_s:.0f} s in all), {s.concurrency} clients, a fault every "
+        f"{s.fault_every_s:g} s, P sleeping {s.layer_delay_ms:g} ms per layer, "
+        f"{_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed and "
+        f"dropped by the client, gateway in-flight bound {s.gateway_max_inflight}, bursts of "
+        f"{s.burst_clients} extra clients, {s.recovery_s:g} s of load after each recovery, "
+        f"settle timeout {s.settle_timeout_s:g} s. Verdict: {verdict}.",
+        "",
+        "| requests | token-exact 200s | wrong tokens | unverified (ids not seen) "
+        "| client aborts | expected errors | unexpected | success share (floor) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {report.sent} | {c.get('ok', 0)} | **{c.get('wrong', 0)}** "
+        f"| {c.get('unverified', 0)} | {c.get('aborted', 0)} | {c.get('expected_error', 0)} "
+        f"| **{c.get('unexpected', 0)}** | {_share(report.success_share)} "
+        f"({_share(s.min_success_share)}) |",
+        "",
+        "Checked answers by the way they were made (mode the gateway routed / where the KV came "
+        "from; `local`: D computed the prompt, which proves nothing about KV; `fallback`: D "
+        "recomputed it after the transfer failed):",
+        "",
+        "| path | token-exact, JSON | token-exact, streamed | client aborts, prefix exact "
+        "| wrong |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p.path} | {p.json} | {p.stream} | {p.aborted} | {p.wrong} |" for p in report.paths
+    ]
+    lines += [
+        "",
+        "Blocks leaked per interval (free blocks of each idle worker at its start minus at its "
+        "end; a restarted worker's old blocks die with it, so for it the new incarnation is "
+        "measured: every block free once idle again):",
+        "",
+        "| interval | times | requests sent (token-exact) | in flight at the faults "
+        "| workers measured across it | leaked (sum / max) | restarted "
+        "| restarted incarnation leaked (sum / max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for leak in report.leaks:
+        sent = report.windows.get(leak.kind, {})
+        lines.append(
+            f"| {leak.kind} | {leak.intervals} | {sum(sent.values())} ({sent.get('ok', 0)}) "
+            f"| {leak.in_flight} | {_workers(leak.survivors)} "
+            f"| **{leak.leaked_sum}** / {leak.leaked_max} | {_workers(leak.restarted)} "
+            f"| {leak.restarted_leaked_sum} / {leak.restarted_leaked_max} |"
+        )
+    lines += [
+        "",
+        "Errors, by the fault being played out when the request was sent (`load`: none):",
+        "",
+        "| during | error | count | expected |",
+        "|---|---|---|---|",
+    ]
+    rows = [
+        f"| {e.window} | {e.detail.replace('|', '/')} | {e.count} "
+        f"| {'yes' if e.expected else '**no**'} |"
+        for e in report.errors
+    ]
+    lines += rows or ["| - | none | 0 | - |"]
+    return "\n".join(lines)

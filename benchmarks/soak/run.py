@@ -1,0 +1,309 @@
+"""The soak's run: reference answers, clients, the fault cycle, the report; the CLI entry.
+
+``Soak.run``: start the stack; compute a reference (text and token ids) for every prompt of
+the pool with D alone (mode local); quiesce once (the baseline idle sample); then for
+``minutes``: ``concurrency`` clients send requests from the pool (mode: the deployment's
+default twice as often as each of push, pull and local; delivery: JSON, streamed to the end
+with ``stream_share``, streamed and dropped after the first event with ``abort_share``), and
+every ``fault_every`` seconds one fault cycle runs:
+
+1. quiesce: the clients pause (``Gate``), the stack settles, each worker's idle free blocks
+   are recorded (a worker about to be killed is measured here, before its kill);
+2. the load resumes; 1-3 s later, with requests in flight, one fault is injected and
+   recovered from: a killed worker is started again and beats with a new epoch, a stopped one
+   continued, nats-server restarted; ``burst``: ``burst_clients`` extra clients for 3 s past
+   the gateway's in-flight bound of ``2 x concurrency``. The kinds of ``checks.FAULTS`` come
+   in rounds, each shuffled by a fault-only random stream: every kind gets its turn, and a
+   seed gives the same sequence;
+3. the load runs ``recovery`` seconds more, then quiesce again: the interval's leaks.
+
+Every request is judged (``checks.judge``) in the window it was sent in (the fault being played
+out, or ``load``), and counted (``accounting.Tally``). At the end the load stops, the stack
+settles a last time, and the report (``report.SoakReport``) is printed as markdown, written as
+JSON (``--json``) and spliced into a document (``--doc``); ``--report IN`` renders a written
+report again without running. Exit 1 when the verdict fails.
+
+Threading model: one asyncio loop (clients, fault cycle, observer, the in-process gateway);
+the workers and nats-server are child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+from kvpush.benchmarks import docgen
+from kvpush.benchmarks.soak import client
+from kvpush.benchmarks.soak.accounting import (
+    IdleSample,
+    Interval,
+    Tally,
+    make_interval,
+    summarize_leaks,
+)
+from kvpush.benchmarks.soak.checks import (
+    FAULTS,
+    LOAD,
+    Category,
+    Delivery,
+    Judgement,
+    Reference,
+    judge,
+)
+from kvpush.benchmarks.soak.report import SoakReport, SoakSettings, failures
+from kvpush.benchmarks.soak.stack import SoakStack, build_model
+from kvpush.services import models
+
+MODES = (None, None, "push", "pull", "local")  # None: the deployment's default (push)
+WORDS = (
+    "flitul", "quean", "pyst", "plel", "stroun", "brea",
+    "tocko", "gem", "stind", "griond", "chest", "sosio",
+)  # fmt: skip
+BURST_S = 3.0
+BACKOFF_S = 0.5  # a client waits this long after an error
+
+
+def _say(message: str) -> None:
+    print(f"[soak] {message}", file=sys.stderr, flush=True)
+
+
+class Gate:
+    """Pauses the clients: ``close`` returns once no request is in flight and none can start."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.busy = 0
+
+    async def enter(self) -> None:
+        while not self._open.is_set():  # re-checked after waking: close() may have come first
+            await self._open.wait()
+        self.busy += 1
+
+    def leave(self) -> None:
+        self.busy -= 1
+
+    async def close(self) -> None:
+        self._open.clear()
+        while self.busy:
+            await asyncio.sleep(0.02)
+
+    def open(self) -> None:
+        self._open.set()
+
+
+class Soak:
+    def __init__(self, settings: SoakSettings, log_dir: Path) -> None:
+        self.s = settings
+        self.rng = random.Random(settings.seed)  # prompts and the clients' choices
+        self.fault_rng = random.Random(settings.seed + 1)  # the fault sequence
+        self.stack = SoakStack(
+            build_model(), log_dir, layer_delay_ms=settings.layer_delay_ms,
+            max_inflight=settings.gateway_max_inflight,
+        )  # fmt: skip
+        self.tally = Tally()
+        self.gate = Gate()
+        self.window = LOAD
+        self.pool: list[tuple[str, Reference]] = []
+        self.intervals: list[Interval] = []
+        self.faults: Counter[str] = Counter()
+        self._round: list[str] = []  # the faults still to come in this round
+        self._last: tuple[list[IdleSample], float] = ([], 0.0)  # the last idle sample, when
+
+    # ---- requests --------------------------------------------------------------------------
+    async def _references(self) -> None:
+        async with client.session() as http:
+            for _ in range(self.s.prompts):
+                prompt = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(8, 40)))
+                answer = await self._send(http, prompt, "local", Delivery.JSON)
+                seen = await self.stack.watch.observed(answer.request_id, 10.0)
+                if answer.status != 200 or answer.error or seen is None or not seen.complete:
+                    raise RuntimeError(f"no reference for {prompt!r}: {answer} / {seen}")
+                self.pool.append((prompt, Reference(answer.text, seen.token_ids)))
+
+    async def _send(
+        self, http: aiohttp.ClientSession, prompt: str, mode: str | None, delivery: Delivery
+    ) -> client.Answer:
+        return await client.send(
+            http, self.stack.url, prompt, mode, delivery,
+            model=models.TINY.name, max_tokens=self.s.max_tokens,
+        )  # fmt: skip
+
+    def _delivery(self) -> Delivery:
+        draw = self.rng.random()
+        if draw < self.s.abort_share:
+            return Delivery.ABORT
+        return Delivery.STREAM if draw < self.s.abort_share + self.s.stream_share else Delivery.JSON
+
+    async def _one(self, http: aiohttp.ClientSession) -> Judgement:
+        prompt, reference = self.rng.choice(self.pool)
+        mode, delivery = self.rng.choice(MODES), self._delivery()
+        await self.gate.enter()
+        window = self.window
+        try:
+            answer = await self._send(http, prompt, mode, delivery)
+            seen = None
+            if answer.request_id:  # wait for the final chunk of a 200 (an abort's too)
+                wait = 2.0 if answer.status == 200 and answer.error is None else 0.0
+                seen = await self.stack.watch.observed(answer.request_id, wait)
+        finally:
+            self.gate.leave()
+        judgement = judge(answer, reference, seen, window)
+        self.tally.add(judgement, delivery, window)
+        return judgement
+
+    async def _client(self, until: float) -> None:
+        async with client.session() as http:
+            while time.monotonic() < until:
+                judgement = await self._one(http)
+                if judgement.category in (Category.EXPECTED_ERROR, Category.UNEXPECTED):
+                    await asyncio.sleep(BACKOFF_S)
+
+    # ---- faults ----------------------------------------------------------------------------
+    async def _quiesce(self) -> list[IdleSample]:
+        await self.gate.close()
+        return await self.stack.settle(self.s.settle_timeout_s)
+
+    async def _inject(self, fault: str) -> None:
+        if fault == "burst":
+            end = time.monotonic() + BURST_S
+            await asyncio.gather(*(self._client(end) for _ in range(self.s.burst_clients)))
+        else:
+            await self.stack.inject(fault)
+
+    def _next_fault(self) -> str:
+        """Rounds of every fault kind, each round in a random order: every kind gets its turn."""
+        if not self._round:
+            self._round = list(FAULTS)
+            self.fault_rng.shuffle(self._round)
+        return self._round.pop()
+
+    async def _fault_cycles(self, started: float, until: float) -> None:
+        previous, previous_at = self._last
+        # a cycle's fault lands up to 3 s after its quiesce: start one only if it lands in time
+        while time.monotonic() + self.s.fault_every_s + 3.0 < until:
+            await asyncio.sleep(self.s.fault_every_s)
+            before = await self._quiesce()
+            at = round(time.monotonic() - started, 1)
+            self.intervals.append(make_interval(LOAD, previous_at, 0, previous, before))
+            fault = self._next_fault()
+            self.faults[fault] += 1
+            self.window = fault
+            self.gate.open()
+            await asyncio.sleep(self.fault_rng.uniform(1.0, 3.0))
+            assert self.stack.gateway is not None
+            in_flight = self.stack.gateway.in_flight
+            _say(f"fault at {at:.0f} s: {fault} ({in_flight} requests in flight)")
+            await self._inject(fault)
+            await asyncio.sleep(self.s.recovery_s)
+            after = await self._quiesce()
+            self.intervals.append(make_interval(fault, at, in_flight, before, after))
+            self.window = LOAD
+            self.gate.open()
+            previous, previous_at = after, round(time.monotonic() - started, 1)
+            self._last = (previous, previous_at)
+
+    # ---- the run ---------------------------------------------------------------------------
+    async def _load(self, started: float, until: float) -> str:
+        """The clients and the fault cycles until ``until``; why they stopped early ("": they
+        did not). A part that fails (a worker or nats-server that failed on its own, a fault
+        that could not be injected or recovered from) stops the others: the report says so."""
+        parts = [
+            asyncio.create_task(self._fault_cycles(started, until), name="faults"),
+            *(
+                asyncio.create_task(self._client(until), name=f"client-{i}")
+                for i in range(self.s.concurrency)
+            ),
+        ]
+        done, pending = await asyncio.wait(parts, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            if (exc := task.exception()) is not None:
+                _say(f"{task.get_name()} failed: {exc!r}")
+                return f"{task.get_name()}: {exc!r}"[:500]
+        return ""
+
+    async def run(self) -> SoakReport:
+        date = docgen.stamp()
+        begun = time.monotonic()
+        await self.stack.start()
+        await self._references()
+        self._last = (await self.stack.settle(self.s.settle_timeout_s), 0.0)
+        started = time.monotonic()
+        until = started + self.s.minutes * 60
+        _say(f"load + faults for {self.s.minutes:g} min")
+        stopped_early = await self._load(started, until)
+        if not stopped_early:
+            previous, previous_at = self._last
+            try:
+                final = await self._quiesce()
+            except RuntimeError as exc:  # a worker failed on its own at the very end
+                stopped_early = f"final quiesce: {exc!r}"[:500]
+            else:
+                self.intervals.append(make_interval(LOAD, previous_at, 0, previous, final))
+        load_s = time.monotonic() - started
+        assert self.stack.gateway is not None
+        samples = self.stack.gateway.metrics.kv_outcomes.collect()[0].samples
+        kv = {
+            f"{s.labels['mode']}/{s.labels['outcome']}": int(s.value)
+            for s in samples
+            if s.name.endswith("_total")
+        }
+        report = SoakReport(
+            settings=self.s,
+            wall_s=round(time.monotonic() - begun, 1),
+            load_s=round(load_s, 1),
+            counts=dict(sorted(self.tally.categories.items())),
+            sent=self.tally.sent,
+            success_share=round(self.tally.success_share(), 4),
+            paths=self.tally.paths(),
+            windows=self.tally.windows(),
+            errors=self.tally.errors(),
+            examples=self.tally.examples,
+            faults=dict(sorted(self.faults.items())),
+            intervals=self.intervals,
+            leaks=summarize_leaks(self.intervals),
+            gateway_kv_outcomes=dict(sorted(kv.items())),
+            failures=[],
+            date=date,
+            kvpush_rev=docgen.revision(),
+            stopped_early=stopped_early,
+        )
+        return msgspec.structs.replace(report, failures=failures(report))
+
+
+def settings_from_args(args: argparse.Namespace) -> SoakSettings:
+    return SoakSettings(
+        minutes=args.minutes,
+        concurrency=args.concurrency,
+        fault_every_s=args.fault_every,
+        recovery_s=args.recovery,
+        abort_share=args.abort_share,
+        stream_share=args.stream_share,
+        layer_delay_ms=args.layer_delay_ms,
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        gateway_max_inflight=2 * args.concurrency,
+        burst_clients=3 * args.concurrency,
+        settle_timeout_s=args.settle_timeout,
+        min_success_share=args.min_success_share,
+    )
+
+
+async def run_soak(settings: SoakSettings, log_dir: Path) -> SoakReport:
+    soak = Soak(settings, log_dir)
+    try:
+        return await soak.run()
+    finally:
+        await soak.stack.stop()

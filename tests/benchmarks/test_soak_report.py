@@ -1,0 +1,130 @@
+"""The soak report: its verdict, its round trip through JSON, and the committed copy in the docs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvpush.benchmarks import docgen, soak
+from kvpush.benchmarks.soak import report
+from kvpush.benchmarks.soak.accounting import (
+    ErrorKind,
+    IdleSample,
+    PathCount,
+    make_interval,
+    summarize_leaks,
+)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def settings(**changes: object) -> report.SoakSettings:
+    base = report.SoakSettings(
+        minutes=1, concurrency=4, fault_every_s=30, recovery_s=5, abort_share=0.1,
+        stream_share=0.2, layer_delay_ms=100, prompts=40, max_tokens=8, seed=0,
+        gateway_max_inflight=8, burst_clients=12, settle_timeout_s=60, min_success_share=0.7,
+    )  # fmt: skip
+    return msgspec.structs.replace(base, **changes)
+
+
+def idle(worker: str, free: int = 100, epoch: int = 1) -> IdleSample:
+    return IdleSample(worker, epoch, free, 100, 0, True, 1.0)
+
+
+def synthetic(**changes: object) -> report.SoakReport:
+    both = [idle("p"), idle("d")]
+    intervals = [
+        make_interval("load", 0, 0, both, both),
+        make_interval("kill_prefill", 30, 4, both, [idle("p", 100, 2), idle("d")]),
+    ]
+    base = report.SoakReport(
+        settings=settings(),
+        wall_s=100,
+        load_s=80,
+        counts={"ok": 90, "aborted": 5, "expected_error": 10},
+        sent=105,
+        success_share=0.9,
+        paths=[PathCount("push/received", 50, 10, 5, 0), PathCount("pull/received", 30, 0, 0, 0)],
+        windows={"load": {"ok": 80}, "kill_prefill": {"ok": 10, "expected_error": 10}},
+        errors=[ErrorKind("kill_prefill", "503 service_unavailable: no prefill worker", 10, True)],
+        examples=[],
+        faults={"kill_prefill": 1},
+        intervals=intervals,
+        leaks=summarize_leaks(intervals),
+        gateway_kv_outcomes={"push/received": 60, "pull/received": 30},
+        failures=[],
+    )
+    return msgspec.structs.replace(base, **changes)
+
+
+def test_a_clean_report_passes() -> None:
+    assert report.failures(synthetic()) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"counts": {"ok": 90, "wrong": 1}}, "wrong tokens"),
+        ({"counts": {"ok": 90, "unexpected": 2}}, "unexpected"),
+        ({"success_share": 0.5}, "success share 0.500 below 0.7"),
+        ({"faults": {}}, "no fault"),
+        ({"paths": [PathCount("push/received", 1, 0, 0, 0)]}, "no pull/received"),
+        ({"paths": [PathCount("local", 9, 9, 0, 0)]}, "no push/received"),
+        (
+            {"gateway_kv_outcomes": {"push/received": 59, "pull/received": 30}},
+            "push/received: the gateway counted 59, the soak checked 60",
+        ),
+        ({"stopped_early": "client-0: RuntimeError('x')"}, "the run stopped early"),
+        ({"faults": {"kill_prefill": 5}}, "fault burst never ran"),
+    ],
+)
+def test_the_verdict_fails_for_each_reason(changes: dict[str, object], reason: str) -> None:
+    assert any(reason in f for f in report.failures(synthetic(**changes)))
+
+
+def test_a_leak_fails_the_verdict() -> None:
+    leaky = [make_interval("burst", 10, 8, [idle("p"), idle("d")], [idle("p"), idle("d", 99)])]
+    assert any("leaked" in f for f in report.failures(synthetic(intervals=leaky)))
+
+
+def test_the_report_survives_json_and_renders_the_same(tmp_path: Path) -> None:
+    original = synthetic(failures=["x"])
+    path = tmp_path / "soak.json"
+    path.write_bytes(report.dump(original))
+    again = report.load(path)
+    assert again == original and not again.passed
+    table = report.markdown(again)
+    assert table == report.markdown(original)
+    assert "**FAIL**: x" in table and "| push/received | 50 | 10 | 5 | 0 |" in table
+    assert "| kill_prefill | 1 | 20 (10) | 4 | d x1 | **0** / 0 | p x1 | 0 / 0 |" in table
+
+
+def test_the_committed_soak_table_is_the_one_its_json_generates() -> None:
+    committed = report.load(DOCS / "reliability-soak.json")
+    doc = (DOCS / "reliability.md").read_text()
+    assert docgen.section(doc, report.SECTION) == report.markdown(committed)
+    assert report.failures(committed) == committed.failures  # the verdict follows the data
+    assert committed.passed, committed.failures
+
+
+def test_report_mode_judges_the_data_not_what_it_claims(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    honest, lying = tmp_path / "honest.json", tmp_path / "lying.json"
+    wrong = synthetic(counts={"ok": 90, "wrong": 1})
+    honest.write_bytes(report.dump(msgspec.structs.replace(wrong, failures=report.failures(wrong))))
+    lying.write_bytes(report.dump(wrong))  # says it passed
+    assert soak.main(parser.parse_args(["--report", str(honest)])) == 1  # a failed run fails
+    assert soak.main(parser.parse_args(["--report", str(lying)])) == 1
+    clean = tmp_path / "clean.json"
+    clean.write_bytes(report.dump(synthetic()))
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Soak\n")
+    assert soak.main(parser.parse_args(["--report", str(clean), "--doc", str(doc)])) == 0
+    check = ["--report", str(clean), "--doc", str(doc), "--check"]
+    assert soak.main(parser.parse_args(check)) == 0
+    doc.write_text(doc.read_text().replace("**PASS**", "**FAIL**"))
+    assert soak.main(parser.parse_args(check)) == 1
