@@ -146,7 +146,7 @@ class Stack:
             child.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             self.workers.append(child)
         options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
-        options += ["--first-token", cfg.first_token.value, "--frontend", cfg.frontend]
+        options += ["--first-token", cfg.first_token.value]
         # requests sent while the workers start wait for them as long as this command does
         options += ["--start-timeout-s", f"{cfg.start_timeout_s:g}"]
         if cfg.prefill == 0:  # every prompt computed on D: the gateway is ready without P

@@ -46,9 +46,8 @@ class UpConfig:
     first_token: WorkerRole = WorkerRole.PREFILL
     max_inflight: int | None = None
     max_num_seqs: int | None = None
-    frontend: str = "vllm"  # the gateway's: kvpush or vllm (vLLM's serving layer)
     local_threshold: int | None = None
-    vllm_args: tuple[str, ...] = ()  # the gateway's `vllm serve` flags (--frontend vllm)
+    vllm_args: tuple[str, ...] = ()  # the gateway's `vllm serve` flags (its serving layer)
     engine_args: tuple[str, ...] = ()  # every worker's engine flags (`vllm serve`'s)
     prefill_engine_args: tuple[str, ...] = ()  # ... and those of one role's engines, after them
     decode_engine_args: tuple[str, ...] = ()
@@ -219,7 +218,7 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     *(WORKER[name] for name in ("engine_core", "enforce_eager")),
-    *(GATEWAY[name] for name in ("host", "port", "mode", "first_token", "frontend")),
+    *(GATEWAY[name] for name in ("host", "port", "mode", "first_token")),
     Setting(
         "max_inflight",
         ("--max-inflight",),

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from kvpush.services.gateway.openai_api import ApiError
+from kvpush.services.gateway.errors import ApiError
 
 RETRY_AFTER_S = 1  # what 429/503 answers suggest (seconds)
 

@@ -1,8 +1,8 @@
 """The gateway service: lifecycle (setup -> start -> cleanup) and the CLI entry points.
 
 Its configuration (``GatewayConfig``, flags, environment) is ``config``'s.
-``Gateway.start(config)`` loads the tokenizer (with ``--frontend vllm`` also vLLM's serving
-layer, ``frontend``; both engines then see the gateway's token ids), connects its own NATS
+``Gateway.start(config)`` reads the model folder (``model``) and builds vLLM's serving layer
+(``vllm_serving``; the engines then see the token ids it renders), connects its own NATS
 connection, subscribes to ``kvpush.v1.heartbeat.*.*`` (worker registry) and
 ``kvpush.v1.tokens.<gateway_id>`` (token streams), and serves the aiohttp app; ``.url`` is
 where. ``stop()`` drains: new requests get 503 and ``/ready`` turns 503, in-flight requests get
@@ -11,8 +11,8 @@ NATS close (pending publishes flushed). ``serve(args)`` runs one gateway until S
 and stops it gracefully; ``main(args)`` wraps it for the CLI (exit 0 after a clean stop, 1 when
 NATS is unreachable, 2 on bad config).
 
-Threading model: everything runs on one asyncio loop; the tokenizer and vLLM's serving layer are
-loaded on a worker thread at start (vLLM's renderer tokenizes on its own thread).
+Threading model: everything runs on one asyncio loop; the model folder and vLLM's serving layer
+are loaded on a worker thread at start (vLLM's renderer tokenizes on its own thread).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from kvpush.connector import Bus, BusConnectError, configure_tracing
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services.gateway.config import ConfigError, GatewayConfig
-from kvpush.services.gateway.frontend import build_frontend
-from kvpush.services.gateway.handlers import GatewayApi
+from kvpush.services.gateway.http_server import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.model import ModelInfo, load_model
 from kvpush.services.gateway.routing import Router, WorkerRegistry
 from kvpush.services.gateway.streaming import TokenStreams
+from kvpush.services.gateway.vllm_serving import build_serving
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +64,19 @@ class Gateway:
 
     @classmethod
     async def start(cls, config: GatewayConfig, *, model: ModelInfo | None = None) -> Gateway:
-        """setup -> start: load the model's tokenizer, connect, subscribe, listen."""
+        """setup -> start: read the model folder, build vLLM's serving layer, connect,
+        subscribe, listen."""
         model = model or await asyncio.to_thread(load_model, config)
-        frontend = None
-        if config.frontend == "vllm":
-            frontend = await asyncio.to_thread(
-                build_frontend, config, model.served_name, model.max_model_len
-            )
+        serving = await asyncio.to_thread(
+            build_serving, config, model.served_name, model.max_model_len
+        )
         bus = await Bus.connect(config.bus_config())
         gateway = cls(config, model, bus)
         try:
-            if frontend is not None:
-                from kvpush.services.gateway.engine_client import BusEngineClient
+            from kvpush.services.gateway.engine_client import BusEngineClient
 
-                await frontend.init(BusEngineClient(frontend, gateway.api))
-                gateway.api.attach(frontend)
+            await serving.init(BusEngineClient(serving, gateway.api))
+            gateway.api.attach(serving)
             await gateway._setup()
         except BaseException:
             await gateway.stop(grace_s=0)
@@ -168,7 +166,6 @@ class Gateway:
                     await subscription.unsubscribe()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5.0)
-        self.api.close()
         with contextlib.suppress(Exception):
             await self.bus.drain()
         log.info("gateway %s stopped", self.config.gateway_id)

@@ -35,7 +35,7 @@ SETTINGS: tuple[Setting, ...] = (
         "served_model_name",
         ("--served-model-name",),
         str,
-        "model name clients send, or several as a comma list (the vLLM frontend answers to"
+        "model name clients send, or several as a comma list (the gateway answers to"
         " each; the first is the workers' --served-model-name); default: the stamp's name,"
         " else the folder's name",
         metavar="NAME",
@@ -185,16 +185,6 @@ SETTINGS: tuple[Setting, ...] = (
         repeat=True,
     ),
     Setting(
-        "frontend",
-        ("--frontend",),
-        str,
-        "who parses and answers OpenAI requests: kvpush (default: its own parser, a subset of"
-        " vLLM's API) or vllm (vLLM's own serving layer: every field `vllm serve` takes, tools,"
-        " structured outputs, logprobs, n, /tokenize, /detokenize, /version)",
-        "KVPUSH_FRONTEND",
-        choices=("kvpush", "vllm"),
-    ),
-    Setting(
         "vllm_args",
         ("--vllm-arg",),
         str,
@@ -241,8 +231,7 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed ("*": any)
-    frontend: str = "vllm"  # vLLM's serving layer answers the OpenAI routes; or "kvpush"
-    vllm_args: tuple[str, ...] = ()  # `vllm serve` flags for the serving layer (frontend)
+    vllm_args: tuple[str, ...] = ()  # `vllm serve` flags for vLLM's serving layer
 
     def __post_init__(self) -> None:
         subjects.check_id(self.gateway_id)

@@ -1,15 +1,15 @@
 """``BusEngineClient``: vLLM's ``EngineClient`` whose engine is a kvpush P/D pair on the bus.
 
-vLLM's serving layer (``frontend``) renders and validates a request, then calls ``generate``
-with the prompt's token ids and the ``SamplingParams`` it built. Here that becomes one
-``flow.RemoteGeneration``: the params as a bounded ``SamplingSpec`` (``spec_of``; validated by
-vLLM's own ``InputProcessor`` first, so what vLLM's engine client refuses is a 400 here too),
-one RequestEvent, and the decode worker's TokenChunks turned back into vLLM ``RequestOutput``s
-(``Outputs``): deltas for a stream, one whole output otherwise, as vLLM's ``AsyncLLM`` yields.
-Everything else the protocol asks of an engine client is a no-op or "not supported": kvpush's
-engines live in the workers.
+vLLM's serving layer (``vllm_serving``) renders and validates a request, then calls
+``generate`` with the prompt's token ids and the ``SamplingParams`` it built. Here that becomes
+one ``bus_generation.BusGeneration``: the params as a bounded ``SamplingSpec`` (``spec_of``;
+validated by vLLM's own ``InputProcessor`` first, so what vLLM's engine client refuses is a
+400 here too), one RequestEvent, and the decode worker's TokenChunks turned back into vLLM
+``RequestOutput``s (``Outputs``): deltas for a stream, one whole output otherwise, as vLLM's
+``AsyncLLM`` yields. Everything else the protocol asks of an engine client is a no-op or "not
+supported": kvpush's engines live in the workers.
 
-This module imports vLLM; the gateway imports it once it builds its frontend.
+This module imports vLLM; the gateway imports it once it has built vLLM's serving layer.
 
 Threading model: the gateway's event loop only.
 """
@@ -34,19 +34,19 @@ from kvpush.schemas.sampling import (
     StructuredOutputs,
     TokenLogprob,
 )
-from kvpush.services.gateway import openai_api as api
-from kvpush.services.gateway.remote import (
+from kvpush.services.gateway.bus_generation import (
     CURRENT,
-    RemoteGeneration,
+    BusGeneration,
     RequestContext,
     bus_request_id,
 )
+from kvpush.services.gateway.errors import ApiError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from kvpush.services.gateway.frontend import Frontend
-    from kvpush.services.gateway.remote import FlowHost
+    from kvpush.services.gateway.bus_generation import GenerationHost
+    from kvpush.services.gateway.vllm_serving import VllmServing
 
 _SPEC_FIELDS = tuple(f for f in SamplingSpec.__struct_fields__ if f != "structured_outputs")
 
@@ -156,11 +156,11 @@ class Outputs:
 class BusEngineClient(EngineClient):
     """The engine client of vLLM's serving layer in the gateway; see the module docstring."""
 
-    def __init__(self, frontend: Frontend, host: FlowHost) -> None:
-        self.vllm_config = frontend.vllm_config
-        self.model_config = frontend.vllm_config.model_config
-        self.renderer = frontend.renderer
-        self.input_processor = frontend.input_processor
+    def __init__(self, serving: VllmServing, host: GenerationHost) -> None:
+        self.vllm_config = serving.vllm_config
+        self.model_config = serving.vllm_config.model_config
+        self.renderer = serving.renderer
+        self.input_processor = serving.input_processor
         self.host = host
 
     async def generate(  # type: ignore[override]
@@ -175,18 +175,18 @@ class BusEngineClient(EngineClient):
         spec = spec_of(sampling_params)
         final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
         outputs = Outputs(request_id, ids, final_only)
-        remote = RemoteGeneration(self.host, context, self._bus_id(context, request_id))
+        generation = BusGeneration(self.host, context, self._bus_id(context, request_id))
         try:
-            await remote.start(ids, spec, stream=not final_only)
+            await generation.start(ids, spec, stream=not final_only)
             while True:
-                chunk = await remote.next()
+                chunk = await generation.next()
                 result = outputs.of(chunk)
                 if result is not None:
                     yield result
                 if chunk.finish_reason is not None:
                     return
         finally:
-            remote.finish()
+            generation.finish()
 
     def _bus_id(self, context: RequestContext, request_id: str) -> str:
         """The answer's id for its first engine request (vLLM's id of a completion's prompt 0
@@ -207,10 +207,10 @@ class BusEngineClient(EngineClient):
     dead_error = property(lambda self: RuntimeError("kvpush gateway: no local engine"))
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
-        raise api.ApiError(400, "pooling models are not served by kvpush")
+        raise ApiError(400, "pooling models are not served by kvpush")
 
     async def abort(self, request_id: Any, *args: Any, **kwargs: Any) -> None:
-        return None  # a RemoteGeneration aborts itself when its generator closes
+        return None  # a BusGeneration aborts itself when its generator closes
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)

@@ -1,15 +1,14 @@
-"""What the gateway needs from a model folder: tokenizer, served name, context length, vocab.
+"""What the gateway needs from a model folder: served name and context length.
 
-``load_model`` reads a Hugging Face model folder (``AutoTokenizer``, ``config.json``) and the
+``load_model`` reads a Hugging Face model folder (its tokenizer, ``config.json``) and the
 optional ``kvpush-model.json`` stamp of models built by ``kvpush model``. The served name is
-``--served-model-name`` (the first of a comma list: the name the workers serve; the vLLM
-frontend answers to every one of them), else the stamp's recipe name (``kvpush-tiny``), else the
+``--served-model-name`` (the first of a comma list: the name the workers serve; vLLM's serving
+layer answers to every one of them), else the stamp's recipe name (``kvpush-tiny``), else the
 folder's name; the context length is ``--max-model-len``, else the stamp's ``max_context``, else
 ``config.json``'s ``max_position_embeddings``, else the tokenizer's ``model_max_length``.
 
 Threading model: ``load_model`` blocks (imports transformers, reads files); the gateway calls it
-on a worker thread once at start. ``ModelInfo`` is immutable; its tokenizer is used by the
-gateway's single tokenizer thread only.
+on a worker thread once at start. ``ModelInfo`` is immutable.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvpush.services.gateway.config import ConfigError
 from kvpush.services.models import read_stamp
@@ -31,12 +30,10 @@ class ModelInfo:
     path: str
     served_name: str
     max_model_len: int
-    vocab_size: int
-    tokenizer: Any  # a transformers tokenizer
 
 
 def load_model(config: GatewayConfig) -> ModelInfo:
-    """Tokenizer, served name and context length from the model folder (blocking)."""
+    """Served name and context length from the model folder (blocking)."""
     from transformers import AutoTokenizer
 
     try:
@@ -59,5 +56,4 @@ def load_model(config: GatewayConfig) -> ModelInfo:
     )
     if not max_len:
         raise ConfigError(f"cannot tell the context length of {config.model}: --max-model-len")
-    vocab = max(int(hf_config.get("vocab_size") or 0), len(tokenizer))
-    return ModelInfo(str(config.model), str(name), int(max_len), vocab, tokenizer)
+    return ModelInfo(str(config.model), str(name), int(max_len))

@@ -1,12 +1,13 @@
-"""The OpenAI routes, answered by vLLM's serving layer (``frontend``) over kvpush's engine client.
+"""The OpenAI routes, answered by vLLM's serving layer (``vllm_serving``) over kvpush's engine
+client.
 
 ``/v1/completions`` and ``/v1/chat/completions``: the body becomes vLLM's own request model
 (pydantic; a validation error is the 400 vLLM's server answers), the ``kvpush_mode`` extension
 is taken off it first, the request is admitted (``GatewayApi.admit``: 503 while draining, a
 queued slot, its ``gateway.request`` span), and vLLM's ``create_completion`` /
-``create_chat_completion`` runs with a ``remote.RequestContext`` in the context (the engine
-client's ``generate`` reads it; it names the answer's first engine request by the answer's
-id, as vLLM makes it from ``X-Request-Id`` or the request's ``request_id``). Its
+``create_chat_completion`` runs with a ``bus_generation.RequestContext`` in the context (the
+engine client's ``generate`` reads it; it names the answer's first engine request by the
+answer's id, as vLLM makes it from ``X-Request-Id`` or the request's ``request_id``). Its
 result is written as vLLM's server writes it: an ``ErrorResponse`` with its code, a response
 model as JSON, a stream as SSE. An engine request that failed before anything was sent (no
 worker 503, deadline 504, worker error 502) answers with its own status, not a 200 stream
@@ -20,22 +21,21 @@ Threading model: handlers on the gateway's event loop.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 from aiohttp import web
 
 from kvpush.schemas.messages import TransferMode
-from kvpush.services.gateway import openai_api as api
-from kvpush.services.gateway.openai_api import json_response
-from kvpush.services.gateway.remote import CURRENT, RequestContext
+from kvpush.services.gateway.bus_generation import CURRENT, RequestContext
+from kvpush.services.gateway.errors import ApiError, json_response
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from kvpush.services.gateway.frontend import Frontend
+    from kvpush.services.gateway.vllm_serving import VllmServing
 
 # the gateway's admission of a generation request (``GatewayApi.admit``): its span in the body
 Admit = Callable[[str], AbstractAsyncContextManager["Span"]]
@@ -61,31 +61,68 @@ def _mode(data: dict[str, Any]) -> TransferMode | None:
     try:
         return TransferMode(value)
     except ValueError:
-        raise api.ApiError(
+        raise ApiError(
             400, "'kvpush_mode' must be one of push, pull, local", param="kvpush_mode"
         ) from None
 
 
 class OpenAIRoutes:
-    """The routes of vLLM's OpenAI server, over ``frontend``'s serving objects."""
+    """The routes of vLLM's OpenAI server, over ``serving``'s objects."""
 
-    def __init__(self, frontend: Frontend, admit: Admit) -> None:
-        self.frontend, self.admit = frontend, admit
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+    def __init__(self, serving: VllmServing, admit: Admit) -> None:
+        self.serving, self.admit = serving, admit
+        import pydantic
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+            ChatCompletionResponse,
+        )
+        from vllm.entrypoints.openai.completion.protocol import (
+            CompletionRequest,
+            CompletionResponse,
+        )
+        from vllm.entrypoints.serve.tokenize.protocol import (
+            DetokenizeRequest,
+            DetokenizeResponse,
+            TokenizeRequest,
+            TokenizeResponse,
+        )
 
-        self.models_of = {
+        try:
+            from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelList
+        except ImportError:  # vLLM 0.26
+            from vllm.entrypoints.openai.engine.protocol import ErrorResponse, ModelList
+        # the models requests are validated with (tokenize's is a union: a TypeAdapter's)
+        self.models_of: dict[str, Any] = {
             "completion": CompletionRequest,
             "chat": ChatCompletionRequest,
+            "tokenize": TokenizeRequest,
             "detokenize": DetokenizeRequest,
         }
-        self.tokenize_model: Any = TokenizeRequest  # a union: through a TypeAdapter
-        try:
-            from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-        except ImportError:  # vLLM 0.26
-            from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+        self.answers_of: dict[str, Any] = {
+            "completion": CompletionResponse,
+            "chat": ChatCompletionResponse,
+            "tokenize": TokenizeResponse,
+            "detokenize": DetokenizeResponse,
+            "models": ModelList,
+        }
         self.error_type = ErrorResponse
+        self._adapters = {  # built once: a union (tokenize's) validates through an adapter
+            key: pydantic.TypeAdapter(model)
+            for key, model in self.models_of.items()
+            if not isinstance(model, type)
+        }
+
+    def request_models(self) -> dict[str, Any]:
+        """The pydantic models (or unions) request bodies are validated with, by route key."""
+        return dict(self.models_of)
+
+    def answer_models(self) -> dict[str, Any]:
+        """The pydantic models vLLM answers with, by route key."""
+        return dict(self.answers_of)
+
+    def served_names(self) -> list[str]:
+        """The model names vLLM's serving layer answers to (``--served-model-name``)."""
+        return [path.name for path in self.serving.models.base_model_paths]
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self.completions)
@@ -101,22 +138,24 @@ class OpenAIRoutes:
         try:
             data = msgspec.json.decode(body)
         except Exception:  # msgspec.DecodeError, RecursionError, ...: all mean bad JSON
-            raise api.ApiError(400, "request body is not valid JSON") from None
+            raise ApiError(400, "request body is not valid JSON") from None
         if not isinstance(data, dict):
-            raise api.ApiError(400, "request body must be a JSON object")
+            raise ApiError(400, "request body must be a JSON object")
         return data
 
-    async def _validated(self, model: Any, data: dict[str, Any], request: web.Request) -> Any:
+    async def _validated(self, key: str, data: dict[str, Any], request: web.Request) -> Any:
         import pydantic
 
         try:
-            if isinstance(model, type):
-                return model.model_validate(data)
-            return pydantic.TypeAdapter(model).validate_python(data)
+            if key in self._adapters:
+                return self._adapters[key].validate_python(data)
+            return self.models_of[key].model_validate(data)
         except pydantic.ValidationError as exc:
             raise await self._validation_error(exc, request) from None
+        except Exception as exc:  # a model validator's VLLMValidationError, ...
+            self._raise_as_vllm(exc)
 
-    async def _validation_error(self, exc: Any, request: web.Request) -> api.ApiError:
+    async def _validation_error(self, exc: Any, request: web.Request) -> ApiError:
         """vLLM's own 400 for a request its models reject (its message format)."""
         from fastapi.exceptions import RequestValidationError
 
@@ -126,11 +165,11 @@ class OpenAIRoutes:
             )
         except ImportError:  # vLLM 0.26
             from vllm.entrypoints.serve.utils.server_utils import validation_exception_handler
-        fake = RawRequest(request, self.frontend.args)
+        fake = RawRequest(request, self.serving.args)
         answer = await validation_exception_handler(fake, RequestValidationError(exc.errors()))
         body = msgspec.json.decode(answer.body)
         error = body.get("error", {})
-        return api.ApiError(
+        return ApiError(
             answer.status_code,
             str(error.get("message", "invalid request")),
             type_=str(error.get("type", "BadRequestError")),
@@ -148,7 +187,7 @@ class OpenAIRoutes:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         data = await self._body(request)
         mode = _mode(data)
-        parsed = await self._validated(self.models_of[kind], data, request)
+        parsed = await self._validated(kind, data, request)
         # the answer's id as vLLM's serving layer makes it (a client's X-Request-Id, else the
         # request model's random request_id)
         base = request.headers.get("X-Request-Id") or parsed.request_id
@@ -164,31 +203,28 @@ class OpenAIRoutes:
     async def _serve(
         self, request: web.Request, kind: str, parsed: Any, context: RequestContext
     ) -> web.StreamResponse:
-        raw = RawRequest(request, self.frontend.args)
+        raw = RawRequest(request, self.serving.args)
         try:
             if kind == "chat":
-                result = await self.frontend.chat.create_chat_completion(parsed, raw)
+                result = await self.serving.chat.create_chat_completion(parsed, raw)
             else:
-                result = await self.frontend.completion.create_completion(parsed, raw)
-        except api.ApiError:
+                result = await self.serving.completion.create_completion(parsed, raw)
+        except ApiError:
             raise
         except Exception as exc:  # vLLM's errors (VLLMValidationError, ValueError, ...)
             if context.error is not None:
                 raise context.error from None
-            error = self._error_of(exc)  # the status vLLM's server gives it
-            if error.status >= 500:
-                raise  # not the client's: the middleware logs it, answers a bare 500
-            raise error from None
+            self._raise_as_vllm(exc)
         if context.error is not None and not context.sent_first:
             if hasattr(result, "aclose"):
                 await result.aclose()
             raise context.error
         return await self._answer(request, result, context)
 
-    def _error_of(self, exc: Exception) -> api.ApiError:
-        answer = self.frontend.completion.create_error_response(exc)
+    def _error_of(self, exc: Exception) -> ApiError:
+        answer = self.serving.completion.create_error_response(exc)
         error = answer.error
-        return api.ApiError(
+        return ApiError(
             int(error.code), error.message, type_=error.type, param=error.param, code=error.code
         )
 
@@ -225,22 +261,44 @@ class OpenAIRoutes:
 
     # ---- the rest of vLLM's routes --------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
-        parsed = await self._validated(self.tokenize_model, await self._body(request), request)
-        raw = RawRequest(request, self.frontend.args)
-        return self._plain(await self.frontend.tokenization.create_tokenize(parsed, raw))
+        data = await self._body(request)
+        parsed = await self._validated("tokenize", data, request)
+        raw = RawRequest(request, self.serving.args)
+        return self._plain(await self._vllm(self.serving.tokenization.create_tokenize(parsed, raw)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         data = await self._body(request)
-        parsed = await self._validated(self.models_of["detokenize"], data, request)
-        raw = RawRequest(request, self.frontend.args)
-        return self._plain(await self.frontend.tokenization.create_detokenize(parsed, raw))
+        parsed = await self._validated("detokenize", data, request)
+        raw = RawRequest(request, self.serving.args)
+        try:
+            result = await self._vllm(self.serving.tokenization.create_detokenize(parsed, raw))
+        except OverflowError:  # an id past the tokenizer's u32 (`vllm serve`: a 500)
+            raise ApiError(400, "token ids must be within 0..2**32-1", param="tokens") from None
+        return self._plain(result)
+
+    async def _vllm(self, call: Awaitable[Any]) -> Any:
+        """vLLM's answer, or its error as the status vLLM's server gives it (a 500: raised)."""
+        try:
+            return await call
+        except (ApiError, OverflowError):
+            raise
+        except Exception as exc:  # vLLM's errors (VLLMValidationError, ValueError, ...)
+            self._raise_as_vllm(exc)
+
+    def _raise_as_vllm(self, exc: Exception) -> NoReturn:
+        """``exc`` as the status vLLM's server gives it; a 500 is raised as it is (not the
+        client's: the middleware logs it and answers a bare 500)."""
+        error = self._error_of(exc)
+        if error.status >= 500:
+            raise exc
+        raise error from None
 
     def _plain(self, result: Any) -> web.Response:
         status = result.error.code if isinstance(result, self.error_type) else 200
         return web.Response(body=_dump(result), status=status, content_type="application/json")
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return self._plain(await self.frontend.models.show_available_models())
+        return self._plain(await self.serving.models.show_available_models())
 
     async def version(self, request: web.Request) -> web.Response:
         import vllm

@@ -2,7 +2,7 @@
 
 Each case is (name, feature, method, path, body) (``CASES``, and ``stop_cases`` made from the
 greedy answers so that they do stop); the suite sends it to ``vllm serve`` and to a
-kvpush stack whose gateway runs ``--frontend vllm`` (push and pull) and compares the answers
+kvpush stack (its gateway answers with vLLM's serving layer; push and pull) and compares the answers
 (``normalized``); a stream compares by what its client sees, not by its chunks, whose
 boundaries are timing-made (``stream_view`` of ``sse_joined``). ``docs/api.md``'s parity
 table is generated from these cases and their outcomes (``tests/e2e/test_parity.py``).

@@ -2,7 +2,8 @@
 the dashboard, all read from a real ``kvpush up --trace-file`` (gateway, P and D processes).
 
 - One streamed HTTP request in mode push -> one trace id across the three services, with the
-  spans of DESIGN §5 and the parent links the bus and ``kv_transfer_params`` carry.
+  spans of docs/observability.md, spans, and the parent links the bus and
+  ``kv_transfer_params`` carry.
 - Its breakdown (from the spans, as ``kvpush ttft`` computes it) adds up to the TTFT the HTTP
   client measured, within a few ms (the client's own connect/parse time).
 - ``kvpush ttft FILE --json --png`` reports it; ``/metrics`` counts exactly the requests made.

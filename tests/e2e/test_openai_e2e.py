@@ -194,7 +194,7 @@ async def test_bad_requests_get_their_status_and_an_openai_error_body(up_stack: 
     client = up_stack.client()
     with pytest.raises(openai.NotFoundError) as missing:
         await client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
-    # vLLM's serving layer answers these (the default frontend), in vLLM's words
+    # vLLM's serving layer answers these, in vLLM's words
     assert "does not exist" in error_of(missing.value)["message"]
     with pytest.raises(openai.BadRequestError) as too_long:
         await complete(client, "hi", "push", max_tokens=5000)

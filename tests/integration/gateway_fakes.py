@@ -227,14 +227,7 @@ class Stacks:
             workers += [FakeWorker(self.bus, WorkerRole.DECODE, f"{d}{n}", reply) for d in decode]
             for worker in workers:
                 await worker.start()
-        # kvpush's own parser (--frontend kvpush): these stacks test its shapes and its OpenAPI
-        # document; the vLLM frontend's are tests/integration/test_gateway_vllm.py's
-        fields = {
-            "request_timeout_s": 10.0,
-            "worker_lease_s": 0.5,
-            "max_body_bytes": 4096,
-            "frontend": "kvpush",
-        }
+        fields = {"request_timeout_s": 10.0, "worker_lease_s": 0.5, "max_body_bytes": 4096}
         config = GatewayConfig(
             model=str(self.model_dir), port=0, nats_url=self.nats_url, **{**fields, **overrides}
         )

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from hypothesis import HealthCheck, settings
 
 from kvpush.schemas.messages import FinishReason, RequestEvent, TokenChunk, Usage
+from kvpush.schemas.sampling import SequenceOutput, TokenLogprob
 from tests.integration.gateway_fakes import Stack, sse_events, wait_until
 
 StackFactory = Callable[..., Awaitable[Stack]]
@@ -40,18 +41,47 @@ def fuzz(max_examples: int) -> settings:
     )
 
 
+def _candidates(k: int, chosen: int) -> list[TokenLogprob]:
+    """``chosen`` first, then the top ``k`` (vLLM's shape: the sampled token plus the top k)."""
+    top = [
+        TokenLogprob(token_id=20 + i, logprob=-1.0 - i, rank=i + 1, decoded=f"t{i}")
+        for i in range(k)
+    ]
+    return [TokenLogprob(token_id=chosen, logprob=-0.5, rank=1, decoded=" w0"), *top]
+
+
 def one_chunk_reply(event: RequestEvent) -> list[TokenChunk]:
-    """Whatever max_tokens says: one chunk " w0", finished (valid fuzz cases stay cheap)."""
-    usage = Usage(prompt_tokens=len(event.prompt_token_ids), completion_tokens=1)
+    """Whatever max_tokens says: one chunk " w0" per answer (``n``), finished, with the
+    logprobs and prompt logprobs asked for, as a decode worker sends them (valid fuzz cases stay
+    cheap)."""
+    sampling = event.sampling
+    k = sampling.logprobs
+    outputs = [
+        SequenceOutput(
+            index=i,
+            token_ids=[10],
+            text=" w0",
+            logprobs=None if k is None else [_candidates(max(k, 0), 10)],
+            cumulative_logprob=None if k is None else -0.5,
+            finish_reason="length",
+        )
+        for i in range(sampling.n)
+    ]
+    prompt_k = sampling.prompt_logprobs
+    prompt_logprobs = None
+    if prompt_k is not None:
+        ids = event.prompt_token_ids
+        prompt_logprobs = [None, *(_candidates(max(prompt_k, 0), t) for t in ids[1:])]
+    usage = Usage(prompt_tokens=len(event.prompt_token_ids), completion_tokens=sampling.n)
     return [
         TokenChunk(
             event.request_id,
             event.transfer_id,
             seq=0,
-            token_ids=[10],
-            text=" w0",
             finish_reason=FinishReason.LENGTH,
             usage=usage,
+            outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
         )
     ]
 
@@ -65,7 +95,8 @@ async def assert_still_serving(s: Stack) -> None:
     assert status == 200 and answer["choices"][0]["text"] == " w0", answer
     status, text = await s.post(CHAT, {**BASE[CHAT], "stream": True})
     assert status == 200
-    assert sse_events(text)[0]["choices"][0]["delta"]["content"] == " w0"
+    deltas = [e["choices"][0]["delta"] for e in sse_events(text) if e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == " w0", deltas
     assert len(s.decode.events) == published + 2
     assert s.gateway.in_flight == 0 and len(s.gateway.streams) == 0
     _, metrics = await s.call("GET", "/metrics")

@@ -1,7 +1,8 @@
 """Fuzzing the gateway's HTTP surface against fake workers on the session's real nats-server:
 its OpenAPI document, and schemathesis driven by that document.
 
-- ``/openapi.json`` is valid OpenAPI 3.1 and documents every route the gateway serves; with
+- ``/openapi.json`` is valid OpenAPI 3.1, documents every route the gateway serves, and its
+  request schemas are those of the pydantic models the gateway validates with (vLLM's); with
   API keys, exactly the ``/v1/*`` operations are secured (and answer 401 without a key).
 - schemathesis, from that document: every operation, positive and (with a body) negative
   cases; no 5xx, documented status codes, content types, headers and bodies (SSE events too).
@@ -31,7 +32,6 @@ from hypothesis import given
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
-    negative_data_rejection,
     not_a_server_error,
     response_headers_conformance,
     response_schema_conformance,
@@ -82,18 +82,24 @@ async def test_openapi_document_is_valid_and_documents_every_route(stack: StackF
     assert "security" not in json.dumps(doc["paths"])  # no API keys: no auth anywhere
     scheme = doc["components"]["securitySchemes"]["bearerAuth"]
     assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
-    request = doc["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert request["model"]["anyOf"][0]["enum"] == ["kvpush-tiny"]
-    ids = request["prompt"]["anyOf"][1]["items"]
-    assert ids["maximum"] == s.gateway.model.vocab_size - 1
+    schemas = doc["components"]["schemas"]
+    request = schemas["CompletionRequest"]["properties"]
+    assert request["model"]["anyOf"][0]["enum"] == ["kvpush-tiny", ""]  # "": the first
+    assert {"n", "logprobs", "echo", "response_format", "structured_outputs"} <= set(request)
     for path in (COMPLETIONS, CHAT):
-        responses = doc["paths"][path]["post"]["responses"]
+        operation = doc["paths"][path]["post"]
+        ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        model = s.gateway.api.routes.models_of["chat" if path == CHAT else "completion"]
+        fields = {info.alias or name for name, info in model.model_fields.items()}
+        # the document's fields are the validating model's, plus the kvpush_mode extension
+        assert set(schemas[ref.rsplit("/", 1)[1]]["properties"]) == fields | {"kvpush_mode"}
+        responses = operation["responses"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
         assert {"400", "404", "413", "429", "502", "503", "504"} <= set(responses)
 
 
 async def test_openapi_document_needs_no_key_and_marks_v1_secured(stack: StackFactory) -> None:
-    s = await stack(reply=one_chunk_reply, api_keys=("k1",))
+    s = await stack(reply=one_chunk_reply, api_keys=("k1",), max_body_bytes=1 << 20)
     status, doc = await s.call("GET", "/openapi.json")
     assert status == 200
     for path, item in doc["paths"].items():
@@ -105,7 +111,8 @@ async def test_openapi_document_needs_no_key_and_marks_v1_secured(stack: StackFa
         run_schemathesis, s.gateway.url, 5, s.gateway.model.served_name
     )  # without the key
     assert {status for (label, status) in statuses if " /v1/" in label} == {401}, statuses
-    assert {status for (label, status) in statuses if " /v1/" not in label} == {200}, statuses
+    others = {status for (label, status) in statuses if " /v1/" not in label}
+    assert 200 in others and others <= {200, 400}, statuses  # /tokenize's negative cases: 400
 
 
 # ---- schemathesis ----------------------------------------------------------------------------
@@ -120,7 +127,10 @@ def run_operation(
 ) -> None:
     """Up to ``examples`` cases of one operation, each answer checked; counts (label, status)."""
     label = f"{operation.label} {mode.value}"
-    checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
+    # No negative_data_rejection: vLLM's pydantic models accept more than their JSON Schema says
+    # (lax mode takes "5" for 5; chat content parts are TypedDicts that take other keys), and
+    # the gateway answers as they validate. Negative cases still may not 5xx or break shapes.
+    checks = CHECKS
 
     @fuzz(examples)
     @given(case=operation.as_strategy(generation_mode=mode))
@@ -130,9 +140,9 @@ def run_operation(
         assert time.monotonic() - started < TIMEOUT_S
         statuses[label, response.status_code] += 1
         case.validate_response(response, checks=checks)
-        if response.status_code == 404:  # a well-formed body naming another model, as vLLM answers
+        if response.status_code == 404:  # a body naming another model, as vLLM answers
             assert mode is GenerationMode.NEGATIVE, (case.body, response.text)
-            assert response.json()["error"]["code"] == "model_not_found", response.text
+            assert response.json()["error"]["type"] == "NotFoundError", response.text
             assert isinstance(case.body, dict) and case.body.get("model") != served, case.body
 
     check()
@@ -161,19 +171,20 @@ def run_schemathesis(url: str, examples: int, served: str) -> Statuses:
 async def test_schemathesis_finds_no_server_error_or_schema_violation(
     stack: StackFactory,
 ) -> None:
-    s = await stack(reply=one_chunk_reply, worker_lease_s=30.0, max_body_bytes=64 * 1024)
+    s = await stack(reply=one_chunk_reply, worker_lease_s=30.0, max_body_bytes=1 << 20)
     statuses = await asyncio.to_thread(
         run_schemathesis, s.gateway.url, 50, s.gateway.model.served_name
     )
     ran = {label.rsplit(" ", 1)[0] for label, _ in statuses}
     assert ran == {f"{method} {path}" for method, path in served_routes(s)}, statuses
-    # Valid cases succeed but for what JSON Schema can not say: cross-field limits and integral
-    # floats (schemathesis sends 11.0 for an integer; the gateway wants 11), invalid ones never.
-    for path, least in ((COMPLETIONS, 10), (CHAT, 25)):
+    # Schema-valid cases mostly get vLLM's 400 for what JSON Schema can not say (its request
+    # models' cross-field rules: prompt or prompt_embeds, structured outputs, logprob bounds,
+    # the chat template's roles); some are served (these counts are of this derandomized run).
+    for path, least in ((COMPLETIONS, 1), (CHAT, 5)):
         assert statuses[f"POST {path} positive", 200] >= least, statuses
         # Invalid ones get 400, or 404 model_not_found when only the model breaks the schema's
         # enum (checked per case in run_operation): the body is parsed before the model lookup.
         label = f"POST {path} negative"
         negative = {status: n for (name, status), n in statuses.items() if name == label}
-        assert negative.get(400, 0) >= 25 and set(negative) <= {400, 404}, statuses
+        assert negative.get(400, 0) >= 25 and set(negative) <= {200, 400, 404}, statuses
     await assert_still_serving(s)

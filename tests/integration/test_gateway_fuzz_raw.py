@@ -1,10 +1,11 @@
-"""Fuzzing the gateway's request parsing with raw HTTP, against fake workers on the session's
-real nats-server.
+"""Fuzzing the gateway's request handling (vLLM's serving layer) with raw HTTP, against fake
+workers on the session's real nats-server.
 
 - hypothesis: arbitrary bytes, arbitrary JSON, known fields with values of every type, invalid
   UTF-8, any method on any path.
 - Edge-case tables: NaN/Infinity/huge-number literals, deep nesting and lone surrogates in
-  every field; absurd sampling values, prompts past the context (each a 400 naming the field).
+  every field; absurd sampling values, prompts past the context (each a 400, as vLLM's serving
+  layer answers).
 
 Every answer is a 4xx with an OpenAI error body (or a 200 where the input is valid), never a
 5xx or a stack trace, and comes within ``TIMEOUT_S``; afterwards the gateway still serves a
@@ -41,7 +42,7 @@ from tests.integration.gateway_fuzz_helpers import (
     one_chunk_reply,
 )
 
-# Every body field parse_request reads.
+# Body fields of vLLM's request models (sampling, shapes, the prompt) and kvpush's extension.
 FIELDS = [
     "model",
     "prompt",
@@ -264,6 +265,8 @@ async def test_special_literals_and_deep_nesting_in_every_field(stack: StackFact
     await assert_still_serving(s)
 
 
+# Values vLLM's request models and serving layer refuse (or kvpush's bounds on the bus): each a
+# 400, naming the field where vLLM names one (None: vLLM's message names it, its param does not).
 ABSURD: list[tuple[str, dict[str, Any], str | None]] = [
     (COMPLETIONS, {"temperature": 1e308}, "temperature"),
     (COMPLETIONS, {"temperature": -1}, "temperature"),
@@ -274,55 +277,43 @@ ABSURD: list[tuple[str, dict[str, Any], str | None]] = [
     (COMPLETIONS, {"max_tokens": 10**12}, "max_tokens"),
     (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
     (COMPLETIONS, {"max_tokens": 1.5}, "max_tokens"),
-    (COMPLETIONS, {"max_tokens": "16"}, "max_tokens"),
-    (COMPLETIONS, {"max_tokens": True}, "max_tokens"),
-    (COMPLETIONS, {"min_tokens": 10**12}, "min_tokens"),
-    (COMPLETIONS, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    (COMPLETIONS, {"n": 10**6}, "n"),
-    (COMPLETIONS, {"best_of": 5}, "best_of"),
-    (COMPLETIONS, {"echo": True}, "echo"),
+    (COMPLETIONS, {"min_tokens": 10**12}, None),
+    (COMPLETIONS, {"min_tokens": 5, "max_tokens": 4}, None),
+    (COMPLETIONS, {"n": 10**6}, None),
     (COMPLETIONS, {"suffix": "x" * 10**5}, "suffix"),
     (COMPLETIONS, {"stop": ["s"] * 10**4}, "stop"),
-    (COMPLETIONS, {"stop": "x" * 257}, "stop"),
+    (COMPLETIONS, {"stop": "x" * 257}, None),  # kvpush's bound on the bus
     (COMPLETIONS, {"stop": [1, 2]}, "stop"),
     (COMPLETIONS, {"stop_token_ids": list(range(10**4))}, "stop_token_ids"),
     (COMPLETIONS, {"stop_token_ids": [-1]}, "stop_token_ids"),
     (COMPLETIONS, {"logit_bias": {str(i): 100 for i in range(10**4)}}, "logit_bias"),
-    (COMPLETIONS, {"logit_bias": {"1": 1e308}}, "logit_bias"),
-    (COMPLETIONS, {"presence_penalty": 1e308}, "presence_penalty"),
-    (COMPLETIONS, {"frequency_penalty": -1e308}, "frequency_penalty"),
-    (COMPLETIONS, {"repetition_penalty": 0}, "repetition_penalty"),
-    (COMPLETIONS, {"logprobs": 5}, "logprobs"),
-    (COMPLETIONS, {"logprobs": False}, "logprobs"),
-    (COMPLETIONS, {"top_k": 10**9}, "top_k"),
-    (COMPLETIONS, {"top_k": -2}, "top_k"),
+    (COMPLETIONS, {"presence_penalty": 1e308}, None),
+    (COMPLETIONS, {"frequency_penalty": -1e308}, None),
+    (COMPLETIONS, {"repetition_penalty": 0}, None),
+    (COMPLETIONS, {"top_k": 10**9}, None),  # kvpush's bound on the bus
+    (COMPLETIONS, {"top_k": -2}, None),
     (COMPLETIONS, {"seed": 2**64}, "seed"),
     (COMPLETIONS, {"seed": -(2**63) - 1}, "seed"),
-    (COMPLETIONS, {"stream": "yes"}, "stream"),
-    (COMPLETIONS, {"stream_options": {"include_usage": 1}}, "include_usage"),
+    (COMPLETIONS, {"stream_options": {"include_usage": 1}}, "stream_options"),
     (COMPLETIONS, {"stream_options": []}, "stream_options"),
     (COMPLETIONS, {"kvpush_mode": "teleport"}, "kvpush_mode"),
     (COMPLETIONS, {"kvpush_mode": ["push"]}, "kvpush_mode"),
-    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
-    (COMPLETIONS, {"tools": [{"type": "function"}]}, "tools"),
     (COMPLETIONS, {"model": 7}, "model"),
-    (COMPLETIONS, {"prompt": list(range(1, 300))}, "prompt"),  # past the context (256)
-    (COMPLETIONS, {"prompt": "word " * 400}, "prompt"),
-    (COMPLETIONS, {"prompt": [1] * 131_073}, "prompt"),  # past MAX_PROMPT_TOKENS
-    (COMPLETIONS, {"prompt": [1, 2], "max_tokens": 255}, "prompt"),
-    (COMPLETIONS, {"prompt": [5, 10**12]}, "prompt"),
-    (COMPLETIONS, {"prompt": [5, 4096]}, "prompt"),  # >= the vocabulary size
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),  # a batch of two
-    (COMPLETIONS, {"prompt": []}, "prompt"),
+    (COMPLETIONS, {"prompt": list(range(1, 300))}, "input_tokens"),  # past the context (256)
+    (COMPLETIONS, {"prompt": "word " * 400}, "input_tokens"),
+    (COMPLETIONS, {"prompt": [1] * 131_073}, "input_tokens"),
+    (COMPLETIONS, {"prompt": [5, 10**12]}, None),
+    (COMPLETIONS, {"prompt": [5, 4096]}, None),  # >= the vocabulary size
+    (COMPLETIONS, {"prompt": []}, None),
     (COMPLETIONS, {"prompt": None}, "prompt"),
-    (CHAT, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
-    (CHAT, {"messages": [{"role": 1, "content": "x"}]}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages"),
+    (CHAT, {"messages": []}, None),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 400}]}, "input_tokens"),
+    (CHAT, {"messages": [{"role": 1, "content": "x"}]}, None),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
+    (CHAT, {"messages": [{"role": "user", "content": {"text": "x"}}]}, None),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None),  # the template's roles
     (CHAT, {"max_completion_tokens": 10**12}, "max_completion_tokens"),
     (CHAT, {"max_completion_tokens": 2, "max_tokens": "lots"}, "max_tokens"),
-    (CHAT, {"logprobs": True}, "logprobs"),
     (CHAT, {"top_logprobs": 20}, "top_logprobs"),
 ]
 
@@ -332,7 +323,8 @@ def send_absurd(url: str) -> None:
         for path, fields, param in ABSURD:
             body = {**BASE[path], **fields}
             answer = check_answer(post(session, url + path, dumps(body)), fields)
-            assert "error" in answer and answer["error"]["param"] == param, (fields, answer)
+            assert "error" in answer, (fields, answer)  # a 4xx (check_answer: never a 5xx)
+            assert param is None or answer["error"]["param"] == param, (fields, answer)
 
 
 async def test_absurd_values_are_400_naming_the_field(stack: StackFactory) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from kvpush.services.gateway.admission import Admission
-from kvpush.services.gateway.openai_api import ApiError
+from kvpush.services.gateway.errors import ApiError
 
 
 async def test_a_burst_gets_the_slots_then_the_queue_then_429() -> None:

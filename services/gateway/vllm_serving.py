@@ -1,19 +1,21 @@
-"""vLLM's own OpenAI serving layer, built over kvpush's bus engine client (``Frontend``).
+"""vLLM's own OpenAI serving layer in the gateway, over kvpush's bus engine client.
 
 kvpush answers as ``vllm serve`` does because it runs vLLM's code for everything a server does
 before and after the engine: request models and validation, chat templates (roles, tools,
 ``chat_template_kwargs``), tokenization and ``truncate_prompt_tokens``, ``max_tokens`` clamped
 to the context, the model's generation-config defaults, ``SamplingParams`` construction,
 structured-output and tool/reasoning parsing of the answer, logprob, echo, ``n`` and usage
-shapes, ``/tokenize``, ``/detokenize`` and ``/v1/models``. ``build_frontend`` parses vLLM's own
+shapes, ``/tokenize``, ``/detokenize`` and ``/v1/models``. ``build_serving`` parses vLLM's own
 ``vllm serve`` flags (``vllm_args``), makes the ``VllmConfig`` (no engine), a renderer and an
-input processor, and calls vLLM's ``init_app_state`` with ``BusEngineClient``; what differs
-between vLLM 0.26 (GPU hosts) and 0.32 (CPU) is three import paths, handled here.
+input processor; ``VllmServing.init`` calls vLLM's ``init_app_state`` with ``BusEngineClient``
+(``engine_client``). What differs between vLLM 0.26 (GPU hosts) and 0.32 (CPU) is a few import
+paths, handled where they are imported.
 
 What stays kvpush's: the engine client (``engine_client``: routing, the bus, deadlines,
-aborts, traces), admission, auth, metrics and the HTTP server.
+aborts, traces), admission, auth, metrics, the HTTP server (``http_server``, ``openai_routes``)
+and the OpenAPI document (``openapi_doc``, from the same request models).
 
-Threading model: ``build_frontend`` blocks (imports vLLM, reads the model folder: seconds) and
+Threading model: ``build_serving`` blocks (imports vLLM, reads the model folder: seconds) and
 runs on a worker thread at start; ``init`` runs on the gateway's loop. The serving objects are
 then used from the loop only.
 """
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class Frontend:
+class VllmServing:
     """vLLM's serving objects (set by ``init``) and the config they were built from."""
 
     args: Any  # vLLM's parsed ``vllm serve`` namespace
@@ -40,7 +42,6 @@ class Frontend:
     chat: Any = None
     tokenization: Any = None
     models: Any = None
-    openapi: dict[str, Any] | None = None  # vLLM's OpenAPI document of the routes it serves
 
     async def init(self, engine_client: Any) -> None:
         """vLLM's ``init_app_state`` with ``engine_client``: the version's own serving objects."""
@@ -57,12 +58,6 @@ class Frontend:
         self.chat = state.openai_serving_chat
         self.tokenization = state.serving_tokenization
         self.models = state.openai_serving_models
-        try:
-            from vllm.entrypoints.launchers.app import build_app
-        except ImportError:  # vLLM 0.26
-            from vllm.entrypoints.openai.api_server import build_app
-        # the document of vLLM's own server (FastAPI builds it from the protocol models)
-        self.openapi = build_app(self.args, ("generate",), self.vllm_config.model_config).openapi()
 
 
 def vllm_argv(config: GatewayConfig) -> list[str]:
@@ -76,7 +71,7 @@ def vllm_argv(config: GatewayConfig) -> list[str]:
     return argv + list(config.vllm_args)
 
 
-def build_frontend(config: GatewayConfig, default_name: str, max_model_len: int) -> Frontend:
+def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) -> VllmServing:
     """Parse the flags, make the VllmConfig, renderer and input processor (blocking)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
@@ -108,4 +103,4 @@ def build_frontend(config: GatewayConfig, default_name: str, max_model_len: int)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"vLLM rejected the serving flags: {exc}") from None
     renderer = renderer_from_config(vllm_config)
-    return Frontend(args, vllm_config, renderer, InputProcessor(vllm_config, renderer))
+    return VllmServing(args, vllm_config, renderer, InputProcessor(vllm_config, renderer))

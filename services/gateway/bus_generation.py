@@ -1,8 +1,8 @@
 """One engine request of the gateway, from the prompt's token ids to its last chunk
-(``RemoteGeneration``), and what a handler tells it (``RequestContext``).
+(``BusGeneration``), and what a handler tells it (``RequestContext``).
 
 vLLM's serving layer calls ``BusEngineClient.generate`` once per prompt (a batch of prompts: once
-each; ``n`` answers: once, D runs them). Each call is a ``RemoteGeneration``: route (503) ->
+each; ``n`` answers: once, D runs them). Each call is a ``BusGeneration``: route (503) ->
 open a token stream -> publish ONE RequestEvent on ``req.<P>.<D>`` inside the handler's
 ``gateway.request`` span (both workers see its trace context) -> the chunks, in order, until
 the final one. Deadlines: ``request_timeout_s`` from the start to the first chunk (the
@@ -38,7 +38,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import FinishReason, RequestEvent, Timing, TokenChunk, TransferMode
-from kvpush.services.gateway import openai_api as api
+from kvpush.services.gateway.errors import ApiError
 from kvpush.services.gateway.observe import FinishedRequest
 from kvpush.services.gateway.routing import NoWorkerError, first_token_by
 from kvpush.services.gateway.streaming import StreamFailed
@@ -68,7 +68,7 @@ class RequestContext:
     # from here, whatever parsing and tokenizing took
     arrived: float = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().time())
     arrived_ns: int = dataclasses.field(default_factory=time.time_ns)
-    error: api.ApiError | None = None  # the first error an engine request raised
+    error: ApiError | None = None  # the first error an engine request raised
     sent_first: bool = False  # some answer's first chunk came
     # the answer's id (``cmpl-<id>``, ``chatcmpl-<id>``): its first engine request goes on the
     # bus (and in traces and the dashboard) under it, later prompts of a batch as vLLM names them
@@ -80,8 +80,9 @@ CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar(
 )
 
 
-class FlowHost(Protocol):
-    """What a flow needs of the gateway (``handlers.GatewayApi`` is the one implementation)."""
+class GenerationHost(Protocol):
+    """What a generation needs of the gateway (``http_server.GatewayApi`` is the one
+    implementation)."""
 
     config: GatewayConfig
     bus: Bus
@@ -100,10 +101,10 @@ def bus_request_id(request_id: str) -> str:
     return _BUS_ID.sub("_", request_id)[-128:] or "request"
 
 
-class RemoteGeneration:
+class BusGeneration:
     """One engine request over the bus; see the module docstring."""
 
-    def __init__(self, gw: FlowHost, context: RequestContext, request_id: str) -> None:
+    def __init__(self, gw: GenerationHost, context: RequestContext, request_id: str) -> None:
         self.gw, self.context = gw, context
         self.loop = asyncio.get_running_loop()
         self.arrived, self.arrived_ns = context.arrived, context.arrived_ns
@@ -119,7 +120,7 @@ class RemoteGeneration:
         self.completion_tokens = self.prompt_tokens = 0
         self.route: Route | None = None
 
-    def _fail(self, error: api.ApiError) -> api.ApiError:
+    def _fail(self, error: ApiError) -> ApiError:
         if self.context.error is None:
             self.context.error = error
         return error
@@ -135,7 +136,7 @@ class RemoteGeneration:
                 route = gw.router.route(len(ids), mode)
             except NoWorkerError as exc:
                 raise self._fail(
-                    api.ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
+                    ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
                 ) from None
         self.route, self.prompt_tokens = route, len(ids)
         self.deadline = self.arrived + config.request_timeout_s
@@ -229,11 +230,11 @@ class RemoteGeneration:
         try:
             await self.gw.bus.publish(subjects.request(event.prefill_id, event.decode_id), event)
         except nats.errors.MaxPayloadError:
-            error = api.ApiError(413, "the prompt is too large for the message bus")
+            error = ApiError(413, "the prompt is too large for the message bus")
             raise self._fail(error) from None
         except (nats.errors.Error, OSError) as exc:
             log.warning("publish of %s failed: %r", event.request_id, exc)
-            error = api.ApiError(503, "the message bus is unavailable", type_="service_unavailable")
+            error = ApiError(503, "the message bus is unavailable", type_="service_unavailable")
             raise self._fail(error) from None
 
     async def next(self) -> TokenChunk:
@@ -248,9 +249,7 @@ class RemoteGeneration:
                     why = f"no token for {config.stream_idle_timeout_s:g} s"
                 else:
                     why = f"no first token after {config.request_timeout_s:g} s"
-                error = api.ApiError(
-                    504, f"request timed out: {why}", type_="timeout", code="timeout"
-                )
+                error = ApiError(504, f"request timed out: {why}", type_="timeout", code="timeout")
                 raise self._fail(error)
             try:
                 chunk = await self.stream.next(min(remaining, LIVENESS_POLL_S))
@@ -258,11 +257,11 @@ class RemoteGeneration:
                 if not self.gw.router.still_serving(self.route):
                     self.abort_reason = "decode worker lost"
                     message = f"decode worker {self.route.decode_id} was lost or restarted"
-                    raise self._fail(api.ApiError(502, message, type_="worker_error")) from None
+                    raise self._fail(ApiError(502, message, type_="worker_error")) from None
                 continue
             except StreamFailed as exc:
                 self.abort_reason = f"stream failed: {exc}"
-                raise self._fail(api.ApiError(503, str(exc), type_="service_unavailable")) from None
+                raise self._fail(ApiError(503, str(exc), type_="service_unavailable")) from None
             return self._took(chunk)
 
     def _took(self, chunk: TokenChunk) -> TokenChunk:
@@ -280,7 +279,7 @@ class RemoteGeneration:
             why = chunk.error or "unspecified"
             self.status = f"worker error: {why}"[:200]
             self.context.span.set_status(StatusCode.ERROR, f"worker error: {why}")
-            raise self._fail(api.ApiError(502, f"worker error: {why}", type_="worker_error"))
+            raise self._fail(ApiError(502, f"worker error: {why}", type_="worker_error"))
         if chunk.finish_reason is not None:
             self._first_byte()
             self.ended = True

@@ -1,17 +1,19 @@
-"""HTTP handlers and per-gateway request state: auth, OpenAI error bodies, endpoints.
+"""The gateway's HTTP server: routes, auth, OpenAI error bodies, admission, abort publishing.
 
-``GatewayApi`` owns the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``,
-``/openapi.json`` from ``openapi_doc``), one middleware (Bearer API keys on ``/v1/*``; every
-error, including aiohttp's own 404/405/413, answered as OpenAI error JSON, 429/503 with ``Retry-
-After``; any unexpected exception logged and answered as a bare 500, never a stack trace;
-request counts), admission (``admission.Admission``: a bounded queue, then 429) and the draining
-flag (503), tokenization on one dedicated thread, and abort publishing. The generation flow
-itself is ``flow.RequestFlow``; what is learned after a request (breakdown, KV transfers) is
+``GatewayApi`` owns the aiohttp routes: the OpenAI ones answered by vLLM's serving layer
+(``openai_routes.OpenAIRoutes``, attached once it is built: ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``) and
+kvpush's own (``/health``, ``/ready``, ``/metrics``, ``/dashboard`` with ``/dashboard/data``,
+``/openapi.json`` from ``openapi_doc``); one middleware (Bearer API keys on ``/v1/*``; every
+error, including aiohttp's own 404/405/413, answered as OpenAI error JSON, 429/503 with
+``Retry-After``; any unexpected exception logged and answered as a bare 500, never a stack
+trace; request counts); admission (``admit``: the draining flag's 503, ``admission.Admission``'s
+bounded queue, then 429, the ``gateway.request`` span, the wait for the first workers); and
+abort publishing. One engine request on the bus is ``bus_generation.BusGeneration``'s (this is
+its ``GenerationHost``); what is learned after a request (breakdown, KV transfers) is
 ``observe.Observer``'s.
 
-Threading model: every handler runs on the gateway's event loop; the tokenizer runs on the
-single ``kvpush-tokenize`` thread (HF fast tokenizers must not be used by two threads at once).
+Threading model: every handler runs on the gateway's event loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -33,21 +34,19 @@ from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import Abort
 from kvpush.services.gateway import cors, dashboard, openapi_doc
-from kvpush.services.gateway import openai_api as api
 from kvpush.services.gateway.admission import Admission
 from kvpush.services.gateway.dashboard import RecentRequests
-from kvpush.services.gateway.flow import RequestFlow
+from kvpush.services.gateway.errors import ApiError, error_body, json_response
 from kvpush.services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kvpush.services.gateway.observe import Observer
-from kvpush.services.gateway.openai_api import json_response
 from kvpush.services.gateway.openai_routes import OpenAIRoutes
 from kvpush.services.gateway.routing import Route, Router
 from kvpush.services.gateway.streaming import TokenStreams
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.config import GatewayConfig
-    from kvpush.services.gateway.frontend import Frontend
     from kvpush.services.gateway.model import ModelInfo
+    from kvpush.services.gateway.vllm_serving import VllmServing
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.gateway")
@@ -73,10 +72,8 @@ class GatewayApi:
         self.streams, self.metrics, self.spawn = streams, metrics, spawn
         self.admission = Admission(config.max_inflight, config.max_queued, config.queue_timeout_s)
         self.draining = False
-        self.routes: OpenAIRoutes | None = None  # --frontend vllm
-        self.started = int(time.time())
+        self.routes: OpenAIRoutes | None = None  # set by ``attach``, before ``add_routes``
         self.started_at = time.monotonic()  # requests wait for workers start_timeout_s from it
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpush-tokenize")
         self.recent = RecentRequests()
         self.observer = Observer(metrics, self.recent)
 
@@ -90,25 +87,24 @@ class GatewayApi:
         """The model name the workers serve (vLLM's first served name)."""
         return self.model.served_name
 
-    def attach(self, frontend: Frontend) -> None:
-        """Serve the OpenAI routes with vLLM's serving objects of ``frontend``."""
-        self.routes = OpenAIRoutes(frontend, self.admit)
-
-    def close(self) -> None:
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    def attach(self, serving: VllmServing) -> None:
+        """Serve the OpenAI routes with vLLM's serving objects."""
+        self.routes = OpenAIRoutes(serving, self.admit)
 
     def add_routes(self, app: web.Application) -> None:
-        if self.routes is not None:  # --frontend vllm: vLLM's serving layer answers
-            self.routes.add_routes(app)
-        else:
-            app.router.add_post("/v1/completions", self.completions)
-            app.router.add_post("/v1/chat/completions", self.chat_completions)
-            app.router.add_get("/v1/models", self.list_models)
+        routes = self.routes
+        assert routes is not None, "attach vLLM's serving layer first"
+        routes.add_routes(app)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
-        vllm_doc = self.routes.frontend.openapi if self.routes is not None else None
-        app.router.add_get("/openapi.json", openapi_doc.handler(self.model, self.config, vllm_doc))
+        document = openapi_doc.handler(
+            routes,
+            routes.served_names(),
+            secured=bool(self.config.api_keys),
+            max_body_bytes=self.config.max_body_bytes,
+        )
+        app.router.add_get("/openapi.json", document)
         dashboard.add_routes(app, self.recent, self.dashboard_counters)
         app.middlewares.append(self.middleware)
         if self.config.allowed_origins:
@@ -125,13 +121,11 @@ class GatewayApi:
                 self._authorize(request)
             if request.path == "/v1/models" and (missing := self.missing()):
                 # as /ready: `vllm serve` lists its model only once its engine is up
-                raise api.ApiError(
-                    503, "not ready: " + "; ".join(missing), type_="service_unavailable"
-                )
+                raise ApiError(503, "not ready: " + "; ".join(missing), type_="service_unavailable")
             response = await handler(request)
             status = response.status
             return response
-        except api.ApiError as exc:
+        except ApiError as exc:
             status = exc.status
             response = json_response(exc.body(), exc.status)
             if exc.retry_after_s is not None:
@@ -143,13 +137,13 @@ class GatewayApi:
                 message = f"request body too large (limit {self.config.max_body_bytes} bytes)"
             else:
                 message = exc.reason
-            return json_response(api.error_body(message, "invalid_request_error"), exc.status)
+            return json_response(error_body(message, "invalid_request_error"), exc.status)
         except (asyncio.CancelledError, ConnectionError):
             status = 499  # client closed the connection
             raise
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
-            body = api.error_body("internal server error", "internal_error", code=500)
+            body = error_body("internal server error", "internal_error", code=500)
             return json_response(body, 500)
         finally:
             path = request.path if request.path in ROUTES else "other"
@@ -164,7 +158,7 @@ class GatewayApi:
             matches = [hmac.compare_digest(token, key.encode()) for key in self.config.api_keys]
             if any(matches):
                 return
-        raise api.ApiError(
+        raise ApiError(
             401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key"
         )
 
@@ -198,7 +192,7 @@ class GatewayApi:
                 try:
                     await asyncio.wait_for(registry.wait_for(role), left_s)
                 except TimeoutError:
-                    raise api.ApiError(
+                    raise ApiError(
                         503,
                         f"no {role.value} worker has registered in the {timeout_s:g} s since the"
                         " gateway started: are the workers running? (/ready lists what is"
@@ -237,35 +231,13 @@ class GatewayApi:
             "kv_fallbacks": float(counts["kv_failed"]),
         }
 
-    async def list_models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.model.served_name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "kvpush",
-            "root": self.model.path,
-            "max_model_len": self.model.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
-
     # ---- generation ------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, api.Endpoint.COMPLETIONS)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, api.Endpoint.CHAT)
-
-    async def _generate(self, request: web.Request, endpoint: api.Endpoint) -> web.StreamResponse:
-        name = "chat" if endpoint is api.Endpoint.CHAT else "text_completion"
-        async with self.admit(name) as span:
-            return await RequestFlow(self, request, endpoint, span).run()
-
     @contextlib.asynccontextmanager
     async def admit(self, operation: str) -> AsyncIterator[Span]:
         """A generation request's way in: 503 while draining, a slot (queued; 429/503 past the
         bounds), the in-flight gauge, and its ``gateway.request`` span for the body."""
         if self.draining:
-            raise api.ApiError(503, "the gateway is shutting down", type_="service_unavailable")
+            raise ApiError(503, "the gateway is shutting down", type_="service_unavailable")
         async with self.admission.slot():
             self.metrics.in_flight.inc()
             try:
@@ -277,13 +249,6 @@ class GatewayApi:
                     yield span
             finally:
                 self.metrics.in_flight.dec()
-
-    async def tokenize(self, parsed: api.ParsedRequest) -> list[int]:
-        args = (parsed, self.model.tokenizer, self.model.vocab_size)
-        if isinstance(parsed.prompt, list):
-            return api.prompt_token_ids(*args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, api.prompt_token_ids, *args)
 
     async def abort(self, route: Route, transfer_id: str, reason: str, *, decode: bool) -> None:
         message = Abort(transfer_id=transfer_id, sender=self.config.gateway_id, reason=reason)
