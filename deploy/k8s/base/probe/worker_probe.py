@@ -18,7 +18,7 @@ the KVPUSH_NATS_* credentials (``BusConfig.from_env``, like the worker itself). 
 passes, 1 fails; one line on stdout says why (kubectl describe pod shows it).
 
 This file lives in deploy/k8s/base/probe/ and reaches the pods as the ConfigMap
-``kvpush-probe``; tests/unit/test_deploy_k8s_worker_probe.py runs it against a real
+``kvpush-probe``; tests/integration/test_k8s_worker_probe.py runs it against a real
 nats-server.
 """
 

@@ -13,9 +13,9 @@ from typing import Any, Final
 import pytest
 import yaml
 
-from tests.deploy_k8s.checks import check_references, check_selectors, check_workloads
-from tests.deploy_k8s.kustomize import all_containers, render, split_image
-from tests.deploy_k8s.layout import (
+from tests.deploy.checks import check_references, check_selectors, check_workloads
+from tests.deploy.kustomize import all_containers, render, split_image
+from tests.deploy.layout import (
     BASE,
     COLLECTOR_CONFIG,
     COMPOSE,
@@ -24,7 +24,7 @@ from tests.deploy_k8s.layout import (
     OPERATING_DOC,
     OVERLAYS,
 )
-from tests.deploy_k8s.manifests import (
+from tests.deploy.manifests import (
     RENDERED,
     code_text,
     config_maps,
@@ -35,15 +35,8 @@ from tests.deploy_k8s.manifests import (
     main_container,
     named,
     project_version,
-    render_applied,
     workloads,
 )
-
-
-@pytest.fixture(scope="module", params=sorted(RENDERED))
-def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    """(name, objects) of one kustomization, with what it is applied next to."""
-    return request.param, render_applied(request.param)
 
 
 def test_workloads_have_probes_requests_and_pinned_images(

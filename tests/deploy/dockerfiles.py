@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from tests.deploy_k8s.layout import IMAGES, ROOT
+from tests.deploy.layout import IMAGES, ROOT
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any, Final
 import jsonschema
 import kubernetes_validate
 
-from tests.deploy_k8s.layout import K8S_VERSIONS
+from tests.deploy.layout import K8S_VERSIONS
 
 # The part of the Prometheus Operator's ServiceMonitor and PodMonitor CRDs
 # (monitoring.coreos.com/v1) the manifests use; unknown fields fail, as in the strict Kubernetes

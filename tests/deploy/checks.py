@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 from typing import Any, Final
 
-from tests.deploy_k8s.kustomize import (
+from tests.deploy.kustomize import (
     all_containers,
     config_map_refs,
     made_name,
     split_image,
 )
-from tests.deploy_k8s.manifests import config_maps, of_kind, selects, workloads
+from tests.deploy.manifests import config_maps, of_kind, selects, workloads
 
 
 def check_workloads(objects: list[dict[str, Any]]) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_k8s.dockerfiles import (
+from tests.deploy.dockerfiles import (
     DOCKERFILES,
     args_of,
     dockerignore_rules,
@@ -19,9 +19,9 @@ from tests.deploy_k8s.dockerfiles import (
     pip_steps,
     substitute,
 )
-from tests.deploy_k8s.kustomize import render, split_image
-from tests.deploy_k8s.layout import IMAGE_UID, KVPUSH_IMAGES, ROOT, VENV_PYTHON
-from tests.deploy_k8s.manifests import RENDERED, workloads
+from tests.deploy.kustomize import render, split_image
+from tests.deploy.layout import IMAGE_UID, KVPUSH_IMAGES, ROOT, VENV_PYTHON
+from tests.deploy.manifests import RENDERED, workloads
 
 
 @pytest.mark.parametrize("flavour", sorted(DOCKERFILES))

@@ -1,4 +1,4 @@
-"""The manifests are rendered by the real ``kubectl kustomize`` (tests/deploy_k8s/kustomize.py):
+"""The manifests are rendered by the real ``kubectl kustomize`` (tests/deploy/kustomize.py):
 what kustomize refuses fails with its own message."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_k8s.kustomize import KustomizeError, made_name, render
+from tests.deploy.kustomize import KustomizeError, made_name, render
 
 CM = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: b}\n"
 

@@ -14,7 +14,7 @@ from typing import Any
 from kvpush.connector.bus import Bus
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 from kvpush.services.workers.registry import Registry
-from tests.deploy_k8s.layout import PROBE_SCRIPT
+from tests.deploy.layout import PROBE_SCRIPT
 
 
 def probe_module() -> ModuleType:

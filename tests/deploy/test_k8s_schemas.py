@@ -7,18 +7,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import pytest
-
-from tests.deploy_k8s.kustomize import render
-from tests.deploy_k8s.layout import MONITORING, OVERLAYS
-from tests.deploy_k8s.manifests import RENDERED, deployment, named, render_applied
-from tests.deploy_k8s.schemas import schema_errors
-
-
-@pytest.fixture(scope="module", params=sorted(RENDERED))
-def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    """(name, objects) of one kustomization, with what it is applied next to."""
-    return request.param, render_applied(request.param)
+from tests.deploy.kustomize import render
+from tests.deploy.layout import MONITORING, OVERLAYS
+from tests.deploy.manifests import deployment, named
+from tests.deploy.schemas import schema_errors
 
 
 def test_every_rendered_object_satisfies_the_kubernetes_schemas(

@@ -9,8 +9,8 @@ from typing import Any, Final
 
 import yaml
 
-from tests.deploy_k8s.kustomize import all_containers, made_name, render
-from tests.deploy_k8s.layout import BASE, CODE_DIRS, HELM_VALUES, MONITORING, OVERLAYS, ROOT
+from tests.deploy.kustomize import all_containers, made_name, render
+from tests.deploy.layout import BASE, CODE_DIRS, HELM_VALUES, MONITORING, OVERLAYS, ROOT
 
 RENDERED: Final = {"base": BASE, **OVERLAYS, "monitoring": MONITORING}
 APPLIED_WITH: Final = {"monitoring": BASE}  # its ServiceMonitors select the base's Services

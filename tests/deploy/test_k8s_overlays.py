@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_k8s.kustomize import render, split_image
-from tests.deploy_k8s.layout import BASE, OVERLAYS, PROBE_SCRIPT, ROLES, VENV_PYTHON, WORKERS
-from tests.deploy_k8s.manifests import (
+from tests.deploy.kustomize import render, split_image
+from tests.deploy.layout import BASE, OVERLAYS, PROBE_SCRIPT, ROLES, VENV_PYTHON, WORKERS
+from tests.deploy.manifests import (
     deployment,
     env_of,
     generated_data,
