@@ -4,10 +4,10 @@ Owns the table ``transfer_id -> Transfer``, the attached peers (NIXL agent name,
 prepped remote list), posting (prepped per-block indices that NIXL merges, or coalesced rows
 when the pool is too big to prep), progress (request status, deadlines, cancel after a grace
 period, end-of-transfer notices) and the notices that end target transfers. Rules kept here
-(DESIGN §4): a request is released only once DONE or failed (or force-cancelled after
-``cancel_grace_s`` past the end); the completion notice goes out only after every request of the
-transfer is DONE; a failure becomes a terminal state at once; an aborted/failed initiator tells
-the target once nothing is in flight.
+(docs/design.md, correctness rules): a request is released only once DONE or failed (or
+force-cancelled after ``cancel_grace_s`` past the end); the completion notice goes out only
+after every request of the transfer is DONE; a failure becomes a terminal state at once; an
+aborted/failed initiator tells the target once nothing is in flight.
 
 Threading model: not thread-safe. ``KvTransport`` calls every method under its lock; the clock
 is injectable for tests.

@@ -18,11 +18,11 @@ from a NIXL notification). States::
   TP 2 -> D of TP 1): each notice names its sender rank and how many senders the target has;
   the target is DONE once every sender said done, and quiesced once every sender said anything.
 
-``quiesced`` is separate from the state (DESIGN §4.3-4.4): an initiator is quiesced when no
-request of the transfer is in flight (all released); a target when the initiator said it is
-finished (any notice) or the peer was declared lost. Failures are reported at once (the event
-carries ``quiesced=False`` if requests are still in flight) and a second event follows when the
-transfer quiesces; only then may blocks be freed or reused.
+``quiesced`` is separate from the state (docs/design.md, correctness rules 3 and 4): an
+initiator is quiesced when no request of the transfer is in flight (all released); a target when
+the initiator said it is finished (any notice) or the peer was declared lost. Failures are
+reported at once (the event carries ``quiesced=False`` if requests are still in flight) and a
+second event follows when the transfer quiesces; only then may blocks be freed or reused.
 
 Also here: ``LegSpec`` (how an initiator transfer meets its target when TP differs) and
 ``PeerLink`` (a peer loaded into NIXL), the values ``TransferEngine`` keeps with its transfers.

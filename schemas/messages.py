@@ -1,6 +1,6 @@
 """Every kvpush v1 bus message as a tagged ``msgspec.Struct``.
 
-This module owns the *shape* of the public bus contract (DESIGN §3): field names, types and
+This module owns the *shape* of the public bus contract (docs/bus.md): field names, types and
 bounds. Integrators subscribe to these subjects, so a change here is a protocol change: bump
 ``PROTOCOL_VERSION`` and record why in ``PROTOCOL_HISTORY``.
 

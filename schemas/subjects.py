@@ -1,4 +1,4 @@
-"""NATS subject names of the v1 contract (DESIGN §3): builders, filters and the parser.
+"""NATS subject names of the v1 contract (docs/bus.md): builders, filters and the parser.
 
 Every subject starts with ``kvpush.v1.``; worker and gateway ids are single subject tokens
 (``[A-Za-z0-9_-]{1,64}``), checked here so a bad id can never widen a subscription.

@@ -8,7 +8,8 @@ each one's blocks (one ``Leg`` per P rank; a P of smaller TP gives each D rank a
 A receive is reported to vLLM (``finished_recving``; plus ``failed_recving`` for a fallback)
 only on a quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
 come), or P declared dead (its side channel stopped answering after an abort went unanswered).
-A late WRITE into reused blocks therefore cannot happen (DESIGN §4 rule 3). A request that
+A late WRITE into reused blocks therefore cannot happen (docs/design.md, correctness rule 3).
+A request that
 asked for P's first token (``first_token_from_prefill``) is reported once its KV landed and
 P's ``FirstToken`` came (``first_token_wait_s`` at most), the token going up with it
 (``take_first_tokens``: the scheduler half makes it the request's last prompt token). The
@@ -346,7 +347,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
                 elif late and inc.legs.by_rank and not inc.legs.complete:
                     self._abort(inc, "no KvReady from every prefill rank in time")
                 # P silent after our abort: probe it. A peer we cannot name keeps the blocks
-                # (rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
+                # (correctness rule 3) until its heartbeat lease ends and ``peer_lost`` names it.
                 if (
                     inc.state is IncomingState.ABORTING
                     and inc.peers

@@ -10,8 +10,8 @@ each layer is WRITten as soon as ``save_kv_layer`` sees it: the push overlaps th
 layers) or after it (then every layer is posted at once: delayed free keeps the blocks). Pull
 mode: once every layer is computed P announces its blocks (``KvReady``) and expects the READs
 of every D rank that holds its heads. Either way the blocks are released to vLLM
-(``finished_sending``) only on quiesced terminal transport events (DESIGN §4 rule 4), after the
-bus heard the outcome: KvPushed, KvFailed or AbortAck.
+(``finished_sending``) only on quiesced terminal transport events (docs/design.md, correctness
+rule 4), after the bus heard the outcome: KvPushed, KvFailed or AbortAck.
 
 The per-transfer object and its states are ``outgoing.Outgoing``'s.
 
@@ -185,7 +185,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 ann.decode_epoch,
                 leg.spec,
             )
-        except Exception as exc:  # handshake or table full: tell D at once (rule 5)
+        except Exception as exc:  # handshake or table full: tell D at once (correctness rule 5)
             del out.legs.by_rank[ann.rank]
             self._stop(out, TransferState.FAILED, FailReason.HANDSHAKE, str(exc)[:300])
             return

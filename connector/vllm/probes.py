@@ -3,7 +3,8 @@
 A P that never acknowledged our abort, or whose heartbeat lease ended (the worker service names
 it a suspect), is probed on its side channel from a short-lived thread; a side channel that no
 longer answers means that P rank is dead, so nothing of it can land in our blocks any more:
-``transport.peer_lost`` quiesces its transfers and the receives settle (DESIGN §4 rule 3).
+``transport.peer_lost`` quiesces its transfers and the receives settle (docs/design.md,
+correctness rule 3).
 
 ``ProbingMixin`` is part of ``DecodeSide`` (it uses the side's lock, transport, runtime and
 transfer table); it is kept apart to keep each module one concern.

@@ -18,17 +18,19 @@ it knows came through vLLM or the wake-up line, never through shared Python stat
 Decode (push or pull):
   get_num_new_matched_tokens -> (prompt tokens beyond the local prefix hit, async=True)
   update_state_after_alloc(n>0) -> DecodeWork(PUSH|PULL) with the blocks for tokens
-  [first_token, num_tokens), first_token = the block-aligned local hit (DESIGN §4 rule 6)
+  [first_token, num_tokens), first_token = the block-aligned local hit (docs/design.md,
+  correctness rule 6)
   update_state_after_alloc(n=0) for a kvpush request never loaded -> DecodeWork(LOCAL)
   request_finished while still receiving -> DecodeWork(ABORT); vLLM keeps the blocks until the
-  worker reports the receive finished (only once no WRITE can land: rule 3)
+  worker reports the receive finished (only once no WRITE can land: correctness rule 3)
   P's first token (``first_token_from_prefill``, with a driver that reports it): it comes up
   with the receive's end in the worker metadata; the request then continues from it (its last
   prompt token: ``compat.continue_from``) or ends with it, and ``take_prefill_tokens`` hands
   it to the driver, which reports it as the request's first output
 Prefill:
   every scheduled step of a kvpush request -> PrefillWork(block ids, completes=last chunk)
-  request_finished -> delay_free=True until the worker reports the push finished (rule 4);
+  request_finished -> delay_free=True until the worker reports the push finished
+  (correctness rule 4);
   ``has_pending_push_work`` keeps the engine stepping until then.
 
 Threading model: vLLM calls it on the scheduler thread; an in-process driver calls it from the

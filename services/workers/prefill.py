@@ -12,7 +12,7 @@ prompt) and is ignored, and so is a request for the prompt's log-probabilities (
 own prefill: D refuses one in push and pull). A request it cannot take (over
 ``--max-inflight``, past its deadline, another model, rejected by the engine before the
 connector saw it) is answered with KvFailed to the decode worker, which then computes the
-prompt itself at once instead of waiting for KV (DESIGN §4 rule 5).
+prompt itself at once instead of waiting for KV (docs/design.md, correctness rule 5).
 
 Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
 """

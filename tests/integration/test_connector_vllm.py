@@ -129,8 +129,9 @@ def test_pd_output_equals_one_engine_for_every_prompt_shape(
 def test_swap_decode_answers_from_the_moved_kv_in_either_order(
     pd_engines: tuple[EngineProc, EngineProc], rng: random.Random, mode: str, order: str
 ) -> None:
-    """DESIGN §4 rule 8: P prefills A; D is told B (same length, same last token: D recomputes
-    the last prompt token itself) with A's transfer; D must answer as if it had seen A."""
+    """docs/design.md, correctness rule 8: P prefills A; D is told B (same length, same last
+    token: D recomputes the last prompt token itself) with A's transfer; D must answer as if it
+    had seen A."""
     a = prompt(rng, 2 * BLOCK + 40)
     b = [*prompt(rng, len(a) - 1), a[-1]]
     expected_a, expected_b = reference(pd_engines[1], a), reference(pd_engines[1], b)

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
+from kvpush.benchmarks.soak import WORDS  # made-up words of the tiny model
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
-from kvpush.services.bench.soak import WORDS  # made-up words of the tiny model
 from kvpush.services.gateway import Gateway, GatewayConfig
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.workers.config import WorkerConfig

@@ -160,7 +160,8 @@ def test_a_target_written_by_two_p_ranks_is_done_only_with_both_notices() -> Non
 
 
 def test_one_sender_s_failure_ends_the_target_at_once_but_quiesces_it_with_the_last() -> None:
-    """DESIGN §4 rule 3 per rank: the blocks may go only when no sibling can still write."""
+    """docs/design.md, correctness rule 3 per rank: the blocks may go only when no sibling can
+    still write."""
     t = _target()
     t.on_notice(NoticeKind.FAILED, 1.0, sender=0, senders=2)
     assert t.state is TransferState.FAILED and not t.quiesced
