@@ -1,9 +1,9 @@
 """``TransferEngine``: the transfer table and everything that moves a transfer along.
 
 Owns the table ``transfer_id -> Transfer``, the attached peers (NIXL agent name, pool layout,
-prepped remote list), posting (prepped per-block indices that NIXL merges, or coalesced rows
-when the pool is too big to prep), progress (request status, deadlines, cancel after a grace
-period, end-of-transfer notices) and the notices that end target transfers. Rules kept here
+prepped remote list), posting (when and what; posting.py builds the requests), progress
+(request status, deadlines, cancel after a grace period, end-of-transfer notices) and the
+notices that end target transfers. Rules kept here
 (docs/design.md, correctness rules): a request is released only once DONE or failed (or
 force-cancelled after ``cancel_grace_s`` past the end); the completion notice goes out only
 after every request of the transfer is DONE; a failure becomes a terminal state at once; an
@@ -20,21 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from kvpush.connector.agent import AgentError, NixlAgent, XferStatus
 from kvpush.connector.bounded import BoundedDict
-from kvpush.connector.layout import (
-    PoolLayout,
-    Runs,
-    check_runs,
-    descriptor_pair,
-    descriptors_per_layer,
-    layer_index_tables,
-    pair_runs,
-    segment_ids,
-)
+from kvpush.connector.layout import PoolLayout, Runs, check_runs, pair_runs, segment_ids
 from kvpush.connector.peering import slice_diff
+from kvpush.connector.posting import plan_layers, post_request
 from kvpush.connector.sidechannel import TransportError
 from kvpush.connector.transfer import (
     NOTICE_VERSION,
@@ -194,15 +185,7 @@ class TransferEngine:
         if mismatch:  # before any request: nothing was written
             self._fail(t, now, FailReason.INCOMPATIBLE, mismatch[0])
             return
-        whole = parts[0].whole and parts[1].whole
-        if self.local_prep is not None and peer.prep is not None and whole:
-            t.local_index = layer_index_tables(self.layout, t.local_ids)
-            t.remote_index = layer_index_tables(remote, t.remote_ids)
-        t.layer_descs = descriptors_per_layer(self.layout, remote, t.segments, parts)
-        t.layer_nbytes = [
-            int(t.local_ids.size) * self.layout.layer_bytes([layer]) // parts[0].parts
-            for layer in range(self.layout.num_layers)
-        ]
+        plan_layers(t, self.layout, remote, self.local_prep is not None and peer.prep is not None)
         t.to(_S.READY, now)
         pending, t.pending = t.pending, []
         for layers in pending:
@@ -231,31 +214,15 @@ class TransferEngine:
 
     def _post(self, t: Transfer, layers: tuple[int, ...], now: float) -> bool:
         peer = self.peers[t.peer]  # type: ignore[index]
-        remote = peer.info.pool
         ms = (now - t.created) * 1e3
         for layer in layers:
             t.timings[layer] = [ms, ms if not len(t.segments) else -1.0]
         if not len(t.segments) or not layers:
             return True
-        op = "WRITE" if t.role is Role.PUSH else "READ"
-        nbytes = sum(t.layer_nbytes[layer] for layer in layers)
-        descs = sum(t.layer_descs[layer] for layer in layers)
         try:
-            if t.local_index is not None and t.remote_index is not None:
-                handle, status = self.agent.post_prepped(
-                    op,
-                    self.local_prep,
-                    _rows(t.local_index, layers),
-                    peer.prep,
-                    _rows(t.remote_index, layers),
-                    nbytes,
-                    descs,
-                )
-            else:
-                lrows, rrows = descriptor_pair(self.layout, remote, layers, t.segments, t.leg.parts)
-                handle, status = self.agent.post_rows(
-                    op, lrows, rrows, peer.agent_name, self.layout.mem_type, nbytes
-                )
+            handle, status, nbytes, descs = post_request(
+                self.agent, self.layout, self.local_prep, peer, t, layers
+            )
         except AgentError as exc:
             self._fail(t, now, FailReason.POST, str(exc))
             return False
@@ -426,7 +393,3 @@ class TransferEngine:
         if t is None:
             raise KeyError(f"unknown transfer {transfer_id} (never started, or ended long ago)")
         return t
-
-
-def _rows(tables: list[np.ndarray], layers: tuple[int, ...]) -> np.ndarray:
-    return tables[layers[0]] if len(layers) == 1 else np.concatenate([tables[i] for i in layers])

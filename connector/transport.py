@@ -1,8 +1,8 @@
 """``KvTransport``: the vLLM-free transport facade, one per engine process (both roles).
 
 Ties together the NIXL agent (agent.py), the pool layout (layout.py), the side channel
-(sidechannel.py), the transfer state machine (transfer.py) and its engine (engine.py).
-What a connector calls:
+(sidechannel.py), the transfer state machine (transfer.py) and its engine (engine.py), built as
+``TransportConfig`` (transport_config.py) says. What a connector calls:
 
 - decode side (push target): ``expect(tid, timeout_s)`` before announcing its blocks (with
   ``address``, ``epoch`` and ``compat_hash`` in the announcement), then ``poll()`` until the
@@ -34,13 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import msgspec
-
-from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent
+from kvpush.connector.agent import AgentConfig, AgentError, NixlAgent
 from kvpush.connector.engine import TransferEngine
 from kvpush.connector.layout import PoolLayout, Runs
 from kvpush.connector.layout import per_block_descs as _per_block_descs
-from kvpush.connector.peering import CompatInfo, compat_hash, geometry_diff
+from kvpush.connector.peering import compat_hash, geometry_diff
 from kvpush.connector.sidechannel import (
     HandshakeError,
     HandshakeFetches,
@@ -50,31 +48,10 @@ from kvpush.connector.sidechannel import (
     TransportError,
 )
 from kvpush.connector.transfer import LegSpec, PeerLink, Role, TransferEvent, TransferState
+from kvpush.connector.transport_config import TransportConfig
 from kvpush.schemas.messages import FailReason
 
 log = logging.getLogger(__name__)
-
-
-class TransportConfig(msgspec.Struct, frozen=True):
-    worker_id: str
-    compat: CompatInfo
-    epoch: int = 0  # 0: derive from the clock at start
-    host: str = "127.0.0.1"  # side-channel bind host
-    port: int = 0  # 0: ephemeral
-    advertise_host: str | None = None
-    backend: Backend = Backend.UCX
-    backend_params: dict[str, str] = {}  # e.g. {"ucx_error_handling_mode": "peer"}
-    ucx_env: dict[str, str] = {}  # UCX_* variables, set (if unset) before the agent is built
-    handshake_timeout_s: float = 5.0
-    cancel_grace_s: float = 5.0  # in-flight requests of an ended transfer are cancelled after
-    prep_limit: int = 1 << 18  # largest per-block prepped list; bigger pools post coalesced rows
-    max_transfers: int = 4096  # bound of the transfer table; start/expect raise beyond it
-    max_early_notices: int = 4096  # notices for transfers not yet expected; oldest dropped
-    telemetry: bool = False
-    token: str | None = None  # shared side-channel secret (see sidechannel.py); never logged
-
-    def __repr__(self) -> str:  # keep the token out of logs and tracebacks
-        return f"TransportConfig(worker_id={self.worker_id!r}, host={self.host!r}, ...)"
 
 
 class KvTransport:

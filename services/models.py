@@ -7,8 +7,8 @@ This module owns everything about the models kvpush serves when no real checkpoi
   local tokenizer; `weights=False`: config and tokenizer only, loaded with vLLM's
   `load_format="dummy"`, random weights in GPU memory, no files).
 - `build_model`: writes a Hugging Face Llama directory that vLLM loads offline (config,
-  generation config, float32 safetensors, byte-level BPE tokenizer with a chat template) plus a
-  `kvpush-model.json` stamp. Builds are deterministic (same recipe -> byte-identical files),
+  generation config, float32 safetensors, the byte-level BPE tokenizer of model_tokenizer.py)
+  plus a `kvpush-model.json` stamp. Builds are deterministic (same recipe -> byte-identical files),
   idempotent (a matching stamp returns at once) and atomic (temp dir + rename).
 - `generate_greedy`: loads a model in an in-process vLLM engine and decodes greedily.
 - `default_model_cache_dir`: where `kvpush up` caches models.
@@ -16,47 +16,28 @@ This module owns everything about the models kvpush serves when no real checkpoi
 Random weights argmax to special or whitespace tokens surprisingly often, which makes greedy
 output invisible; `build_model` zeroes the lm_head rows of every token that does not decode to
 visible printable ASCII, so greedy decoding always emits visible text and never stops early.
-Everything runs in the caller's thread; nothing here starts background work.
+Threading model: everything runs in the caller's thread; nothing here starts background work.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
-import random
 import shutil
-import string
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush.services import model_tokenizer
+from kvpush.services.model_tokenizer import BOS, END_OF_TURN, EOS, PAD
+
 STAMP_FILE = "kvpush-model.json"
 STAMP_FORMAT = 1  # bump when the build changes the bytes it writes for a given recipe
-
-BOS = "<|begin_of_text|>"
-EOS = "<|end_of_text|>"
-PAD = "<|pad|>"
-END_OF_TURN = "<|end|>"
-ROLES = ("system", "user", "assistant")
-SPECIAL_TOKENS = (BOS, EOS, PAD, END_OF_TURN, *(f"<|{role}|>" for role in ROLES))
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
 
 ProgressFn = Callable[[str], None]
 
@@ -199,11 +180,11 @@ def _install(tmp: Path, out: Path, recipe: ModelRecipe) -> None:
 
 def _build_into(recipe: ModelRecipe, tmp: Path, report: ProgressFn) -> None:
     report("training tokenizer")
-    tokenizer = _train_tokenizer(recipe)
+    tokenizer = model_tokenizer.train_tokenizer(recipe.vocab_size, recipe.max_context, recipe.seed)
     report("initialising weights")
     _write_weights(recipe, tokenizer, tmp)
     report("writing tokenizer")
-    _write_tokenizer(tokenizer, tmp)
+    model_tokenizer.write_tokenizer(tokenizer, tmp)
     report("hashing files")
     files = {
         p.name: {"sha256": _sha256(p), "size": p.stat().st_size}
@@ -223,131 +204,12 @@ def _build_into(recipe: ModelRecipe, tmp: Path, report: ProgressFn) -> None:
     tmp.chmod(0o755)  # mkdtemp made it 0700
 
 
-def _write_tokenizer(tokenizer: Any, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json (chat template inline) + special_tokens_map.json."""
-    tokenizer.save_pretrained(str(out), save_jinja_files=False)
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    # transformers 5 writes its own class name; this one loads in transformers 4 and 5.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-    specials["additional_special_tokens"] = list(tokenizer.extra_special_tokens)
-    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def prose_lines(seed: int, sentences: int) -> Iterator[str]:
-    """The made-up prose the tokenizers are trained on (benchmark prompts use it too)."""
-    return _corpus(seed, sentences)
-
-
-def _corpus(seed: int, sentences: int) -> Iterator[str]:
-    """Deterministic made-up prose: words from syllables, numbers, names, punctuation."""
-    rng = random.Random(seed)
-    # fmt: off
-    onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v",
-              "w", "z", "br", "ch", "st", "th", "tr", "pl", "sh", "qu", "gr", "fl"]
-    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "io", "ou", "y"]
-    codas = ["", "", "n", "r", "s", "t", "l", "m", "ck", "nd", "ng", "st", "x"]
-    # fmt: on
-
-    def word() -> str:
-        return "".join(
-            rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
-            for _ in range(rng.choice((1, 1, 2, 2, 3)))
-        )
-
-    lexicon = [word() for _ in range(6000)]
-    cum_weights = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(len(lexicon))))
-    for _ in range(sentences):
-        n = rng.randint(4, 16)
-        words = rng.choices(lexicon, cum_weights=cum_weights, k=n)  # Zipf-like
-        for i in range(n):
-            roll = rng.random()
-            if roll < 0.06:
-                words[i] = str(rng.randint(0, 10 ** rng.randint(1, 6)))
-            elif roll < 0.10:
-                words[i] = words[i].capitalize()
-            elif roll < 0.12:
-                words[i] = "".join(rng.choices(string.ascii_letters + string.digits, k=3))
-        if rng.random() < 0.15:
-            words.insert(rng.randrange(n), rng.choice(string.punctuation))
-        line = " ".join(words)
-        yield line[:1].upper() + line[1:] + rng.choice(".....!?:;")
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of a block, then restore them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _train_tokenizer(recipe: ModelRecipe) -> Any:
-    """Byte-level BPE trained on `_corpus`, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    bpe.decoder = decoders.ByteLevel()  # without it decode() returns byte-level garbage
-    trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    sentences = max(20_000, recipe.vocab_size * 8)
-    with _env(TOKENIZERS_PARALLELISM="false"):  # one thread: no rayon pool, same merges
-        bpe.train_from_iterator(_corpus(recipe.seed, sentences), trainer=trainer)
-    if bpe.get_vocab_size() != recipe.vocab_size:
-        raise RuntimeError(
-            f"tokenizer reached {bpe.get_vocab_size()} tokens, recipe wants {recipe.vocab_size}"
-        )
-    bos_id = bpe.token_to_id(BOS)
-    bpe.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS, EOS, PAD)],
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_max_length=recipe.max_context,
-        add_prefix_space=False,
-    )
-
-
-def invisible_token_ids(tokenizer: Any) -> list[int]:
-    """Ids of special tokens and tokens that do not decode to visible printable ASCII."""
-    special = set(tokenizer.all_special_ids)
-    hidden = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
-        if token_id in special or not text.strip() or not text.isascii() or not text.isprintable():
-            hidden.append(token_id)
-    return hidden
 
 
 def hf_configs(recipe: ModelRecipe, tokenizer: Any) -> tuple[Any, Any]:
@@ -392,7 +254,7 @@ def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
-        model.lm_head.weight[invisible_token_ids(tokenizer)] = 0.0
+        model.lm_head.weight[model_tokenizer.invisible_token_ids(tokenizer)] = 0.0
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))

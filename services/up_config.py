@@ -16,7 +16,7 @@ from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
 from kvpush.services.gateway.config import SETTINGS as GATEWAY_SETTINGS
 from kvpush.services.settings import ConfigError, Setting
-from kvpush.services.workers.config import SETTINGS as WORKER_SETTINGS
+from kvpush.services.workers.flags import SETTINGS as WORKER_SETTINGS
 
 GATEWAY = {row.name: row for row in GATEWAY_SETTINGS}  # rows up shares with the gateway
 WORKER = {row.name: row for row in WORKER_SETTINGS}  # ... and with every worker

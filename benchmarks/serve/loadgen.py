@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from kvpush.services import models
+from kvpush.services import model_tokenizer
 
 SONNET_PREFIX = "Pick as many lines as you can from these poem lines and recite them:\n"
 
@@ -99,7 +99,7 @@ def make_prompts(
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prefix = tokenizer.encode(SONNET_PREFIX, add_special_tokens=False)
-    lines = list(models.prose_lines(seed + 7919, 4000))
+    lines = list(model_tokenizer.prose_lines(seed + 7919, 4000))
     prompts = []
     for _ in range(count):
         ids = list(prefix)

@@ -36,8 +36,6 @@ try:
 except ImportError:  # vLLM < 0.27: get_finished + load errors
     KVConnectorTransferResults = None
 
-REPORTS_FAILED_RECVING = KVConnectorTransferResults is not None
-
 
 def version_tuple(text: str) -> tuple[int, int]:
     major, minor = ([*text.split("."), "0", "0"])[:2]

@@ -37,7 +37,6 @@ import msgspec
 
 from kvpush.connector import ConnectorInfo
 from kvpush.schemas.messages import Timing
-from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import kv_memory
 from kvpush.services.workers.engine import EngineHost
 from kvpush.services.workers.engine_config import (
@@ -46,7 +45,7 @@ from kvpush.services.workers.engine_config import (
     engine_kwargs,
     wait_for_gate,
 )
-from kvpush.services.workers.fanout import Answers, open_request, route
+from kvpush.services.workers.fanout import Answers, AnswersHost, open_request
 from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
@@ -111,23 +110,19 @@ class _FreeBlocks:
         return None
 
 
-class CoreEngineHost:
+class CoreEngineHost(AnswersHost):
     """A vLLM ``AsyncLLM`` with its engine-core process; the module docstring says how."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         # kvpush's scheduler in the engine-core process sends P's first tokens to D itself
         self.sends_first_tokens = bool(config.kv_transfer_config)
         self.link = CoreLink(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
         self._engine: Any = None
         self._num_blocks = 0
         self._accepting = False
-        self._requests: dict[str, Answers] = {}  # loop only: by request id
-        self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
         self._tasks: dict[str, asyncio.Task[None]] = {}  # engine request id -> its reader
         self.steps = 0  # engine steps reported (scheduler stats); idle ones are not told apart
         self.idle_steps = 0
@@ -149,11 +144,7 @@ class CoreEngineHost:
             target=self._run, args=(report,), name="kvpush-engine-client", daemon=True
         )
         self._thread.start()
-        # gated (wait_for_gate): the opener (kvpush up) bounds the start, the wait included
-        if not self._ready.wait(None if self.config.start_gate else timeout):
-            raise TimeoutError(f"engine not ready after {timeout} s")
-        if self._start_error is not None:
-            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+        self._await_ready(timeout)
 
     def _run(self, report: Callable[[str], None]) -> None:
         loop = asyncio.new_event_loop()
@@ -246,25 +237,6 @@ class CoreEngineHost:
             log.exception("engine shutdown failed")
 
     # ---- requests -------------------------------------------------------------------------
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingSpec,
-        kv_transfer_params: dict[str, Any] | None = None,
-        cache_salt: str | None = None,
-    ) -> RequestHandle:
-        """Hand a request to the engine; its outputs (or its error, as a final output) arrive on
-        the handle."""
-        handle = RequestHandle(request_id)
-        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
-        self._post(lambda: self._add(handle, request))
-        return handle
-
-    def abort(self, request_id: str) -> None:
-        """End a request now; its handle gets a final output with finish_reason "abort"."""
-        self._post(lambda: self._abort(request_id, "abort", None))
-
     def free_blocks(self, timeout: float = 30.0) -> int:
         """Free blocks after the engine's last step (its scheduler stats)."""
         return self.last_free_blocks
@@ -294,7 +266,7 @@ class CoreEngineHost:
             raise RuntimeError("a blocking query from the engine client's own loop")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def _post(self, command: Callable[[], None]) -> None:
+    def _dispatch(self, command: Callable[[], None]) -> None:
         if not self._accepting or self._loop is None:
             raise RuntimeError("CoreEngineHost is not running")
         self._loop.call_soon_threadsafe(command)
@@ -306,9 +278,6 @@ class CoreEngineHost:
         self._requests[answers.request_id] = answers
         self._add_answer(answers, answers.request_id, params)
 
-    def _taken(self, engine_id: str) -> bool:
-        return engine_id in self._answers or engine_id in self._requests
-
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
         from vllm.inputs.engine import tokens_input
 
@@ -319,9 +288,6 @@ class CoreEngineHost:
         task = self._loop.create_task(self._read(answers, engine_id, prompt, params))
         self._tasks[engine_id] = task
 
-    def _adder(self, answers: Answers) -> Callable[[str, Any], None]:
-        return lambda engine_id, params: self._add_answer(answers, engine_id, params)
-
     async def _read(self, answers: Answers, engine_id: str, prompt: Any, params: Any) -> None:
         """One answer's outputs from ``AsyncLLM.generate`` into the request's handle."""
         try:
@@ -331,9 +297,7 @@ class CoreEngineHost:
                 index = answers.live[engine_id]
                 if out.finished:
                     del self._answers[engine_id]
-                route(answers, engine_id, delta_of(out, index), self._adder(answers))
-                if answers.handle.finished_at is not None:
-                    self._requests.pop(answers.request_id, None)
+                self._deliver(answers, engine_id, delta_of(out, index))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # refused by vLLM's input checks, or the engine died
@@ -343,9 +307,7 @@ class CoreEngineHost:
                 error = f"rejected: {exc}"
                 delta = EngineOutput(engine_id, [], "", "error", error, index=index)
                 delta = dataclasses.replace(delta, sequence_finish_reason="error")
-                route(answers, engine_id, delta, self._adder(answers))
-                if answers.handle.finished_at is not None:
-                    self._requests.pop(answers.request_id, None)
+                self._deliver(answers, engine_id, delta)
         finally:
             self._tasks.pop(engine_id, None)
 

@@ -56,7 +56,8 @@ from kvpush.services.workers.handles import (
     RequestHandle,
     sequence_output,
 )
-from kvpush.services.workers.worker import InFlight, Worker, run_worker
+from kvpush.services.workers.inflight import InFlight
+from kvpush.services.workers.worker import Worker, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class DecodeWorker(Worker):
             await self.refuse(event, FailReason.PREFILL, PROMPT_LOGPROBS_NEED_LOCAL)
             return
         addresses = self.prefill_addresses.get(event.prefill_id)
-        params = None if local else self.kv_params(entry, addresses)
+        params = None if local else entry.kv_params(addresses)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:
             await self._send(event, 0, {}, FinishReason.ABORT, 0, _abort_error(entry))

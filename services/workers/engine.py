@@ -25,7 +25,6 @@ the step no wake-up is lost: a decode engine waiting for pushed KV sleeps, not s
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
@@ -36,7 +35,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvpush.connector import EngineLink, normal_dummy_weights
-from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers import first_token
 from kvpush.services.workers.engine_config import (
     EngineConfig,
@@ -44,27 +42,23 @@ from kvpush.services.workers.engine_config import (
     engine_kwargs,
     wait_for_gate,
 )
-from kvpush.services.workers.fanout import Answers, open_request, refuse, route
+from kvpush.services.workers.fanout import Answers, AnswersHost, open_request, refuse
 from kvpush.services.workers.handles import RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
 
 
-class EngineHost:
+class EngineHost(AnswersHost):
     """A vLLM engine on its own thread; the module docstring describes the loop."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.sends_first_tokens = False  # the prefill worker sends P's first tokens itself
         self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
-        self._requests: dict[str, Answers] = {}  # engine thread only: by request id
-        self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
         self.link = EngineLink()  # the engine's connector once built (this one: none)
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
         self._send_lock = threading.Lock()  # orders sends against the final queue drain
         self._accepting = False
-        self._start_error: BaseException | None = None
         self._engine: Any = None  # engine thread only, like the block pool
         self._pool: Any = None
         self._scheduler: Any = None
@@ -92,11 +86,7 @@ class EngineHost:
         report = progress or (lambda _msg: None)
         self._thread = threading.Thread(target=self._run, args=(report,), name="kvpush-engine")
         self._thread.start()
-        # gated (wait_for_gate): the opener (kvpush up) bounds the start, the wait included
-        if not self._ready.wait(None if self.config.start_gate else timeout):
-            raise TimeoutError(f"engine not ready after {timeout} s")
-        if self._start_error is not None:
-            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+        self._await_ready(timeout)
 
     def _build(self, report: Callable[[str], None]) -> None:
         cfg = self.config
@@ -161,24 +151,6 @@ class EngineHost:
         if self._thread.is_alive():
             log.error("engine thread still running %.0f s after stop", timeout)
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingSpec,
-        kv_transfer_params: dict[str, Any] | None = None,
-        cache_salt: str | None = None,
-    ) -> RequestHandle:
-        """Queue a request; its outputs (or its error, as a final output) arrive on the handle."""
-        handle = RequestHandle(request_id)
-        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
-        self._send(lambda: self._add(handle, request))
-        return handle
-
-    def abort(self, request_id: str) -> None:
-        """End a request now; its handle gets a final output with finish_reason "abort"."""
-        self._send(lambda: self._abort(request_id, "abort", None))
-
     def free_blocks(self, timeout: float = 30.0) -> int:
         """Blocks a new request can get now: free ones plus cached ones nobody references
         (asks the engine thread; ``last_free_blocks`` is the count without waiting for it)."""
@@ -210,6 +182,8 @@ class EngineHost:
                 raise RuntimeError("EngineHost command queue is full") from None
         self.link.activity.set()
         return future
+
+    _dispatch = _send
 
     def _run(self, report: Callable[[str], None]) -> None:
         try:
@@ -276,9 +250,6 @@ class EngineHost:
         self._requests[answers.request_id] = answers
         self._answers[answers.request_id] = answers
 
-    def _taken(self, engine_id: str) -> bool:
-        return engine_id in self._answers or engine_id in self._requests
-
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
         from vllm.inputs.engine import tokens_input
 
@@ -300,16 +271,13 @@ class EngineHost:
             answers.handle._push(last)
 
     def _route(self, out: Any) -> None:
-        """One answer's ``RequestOutput`` to its request's handle; answer 0's first output
-        starts the later answers (its prompt KV is in the prefix cache now)."""
+        """One answer's ``RequestOutput`` to its request's handle (``_deliver``)."""
         if (answers := self._answers.get(out.request_id)) is None:  # aborted meanwhile
             return
         delta = delta_of(out, answers.live[out.request_id])
         if out.finished:
             del self._answers[out.request_id]
-        route(answers, out.request_id, delta, functools.partial(self._add_answer, answers))
-        if answers.handle.finished_at is not None:
-            self._requests.pop(answers.request_id, None)
+        self._deliver(answers, out.request_id, delta)
 
     def _step(self) -> bool:
         """One engine step; True when it was idle (scheduled no tokens, or failed)."""

@@ -11,13 +11,20 @@ answers). Their engine request ids are ``f"{request_id}.{i}"`` ('.' is outside t
 alphabet: no other request's id can be one of them). Every answer's deltas go to the request's
 one ``RequestHandle``, with their index; the request ends when every answer ended.
 
-Threading model: the engine thread only (``EngineHost``'s); ``engine_params`` imports vLLM.
+Also ``AnswersHost``, what both hosts share (the answers by id, ``submit`` and ``abort``).
+
+Threading model: the host's thread or loop only (``EngineHost``'s engine thread,
+``CoreEngineHost``'s client loop), but for ``submit``/``abort``/``_await_ready``, which any
+thread may call; ``engine_params`` imports vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -157,13 +164,71 @@ class Answers:
         return None
 
 
-def route(answers: Answers, engine_id: str, delta: EngineOutput, add: Any) -> None:
-    """One delta of answer ``engine_id`` to its request's handle; answer 0's first output
-    starts the later answers (``add(engine_id, params)``: its prompt KV is in the prefix cache
-    now)."""
-    answers.handle._push(answers.take(engine_id, delta))
-    if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
-        answers.handle._push(last)
+class AnswersHost:
+    """What both engine hosts share (``EngineHost``, ``CoreEngineHost``): every request's
+    ``Answers`` by request id and by the engine request id of each answer, touched on the
+    host's own thread or loop only, and ``submit``/``abort``, which hand their work there
+    (``_dispatch``); the waiting for the engine's build."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._requests: dict[str, Answers] = {}  # host thread or loop only: by request id
+        self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+
+    def _dispatch(self, command: Callable[[], Any]) -> Any:
+        """Run ``command`` on the host's thread or loop soon; RuntimeError when not running."""
+        raise NotImplementedError
+
+    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
+        raise NotImplementedError
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestHandle:
+        """Hand a request to the engine; its outputs (or its error, as a final output) arrive on
+        the handle."""
+        handle = RequestHandle(request_id)
+        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
+        self._dispatch(lambda: self._add(handle, request))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """End a request now; its handle gets a final output with finish_reason "abort"."""
+        self._dispatch(lambda: self._abort(request_id, "abort", None))
+
+    def _taken(self, engine_id: str) -> bool:
+        return engine_id in self._answers or engine_id in self._requests
+
+    def _await_ready(self, timeout: float) -> None:
+        """Wait for the engine's build (gated, ``wait_for_gate``: the opener, kvpush up,
+        bounds the start, the wait included); raise its error."""
+        if not self._ready.wait(None if self.config.start_gate else timeout):
+            raise TimeoutError(f"engine not ready after {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+
+    def _deliver(self, answers: Answers, engine_id: str, delta: EngineOutput) -> None:
+        """One delta of answer ``engine_id`` to its request's handle; answer 0's first output
+        starts the later answers (its prompt KV is in the prefix cache now)."""
+        answers.handle._push(answers.take(engine_id, delta))
+        add = functools.partial(self._add_answer, answers)
+        if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
+            answers.handle._push(last)
+        if answers.handle.finished_at is not None:
+            self._requests.pop(answers.request_id, None)
+
+    def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
+        raise NotImplementedError
 
 
 def open_request(

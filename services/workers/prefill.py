@@ -28,7 +28,8 @@ from kvpush.schemas.messages import FailReason, KvFailed, RequestEvent, Transfer
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers.first_token import first_token_of, prefill_sampling
 from kvpush.services.workers.handles import EngineOutput
-from kvpush.services.workers.worker import InFlight, Worker, run_worker
+from kvpush.services.workers.inflight import InFlight
+from kvpush.services.workers.worker import Worker, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class PrefillWorker(Worker):
             event.sampling
         )
         sampling = prefill_sampling(event.sampling) if samples_first else PREFILL_SAMPLING
-        handle = self.submit(entry, sampling, self.kv_params(entry))
+        handle = self.submit(entry, sampling, entry.kv_params())
         if handle is None:
             log.info("rid=%s tid=%s aborted before prefill", rid, tid)
             return

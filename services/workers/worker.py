@@ -4,7 +4,7 @@
 ``AsyncLLM`` with its engine-core process, as ``vllm serve`` runs it, the CUDA default; or an
 ``EngineHost``, a sync engine stepped on a thread of this process only when there is work, the
 CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (transfer_id ->
-``InFlight``; the engine request id *is* the transfer id), heartbeats on
+``InFlight``, inflight.py; the engine request id *is* the transfer id), heartbeats on
 ``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` and the worker's entry in the JetStream
 KV bucket of ``registry`` (key ``<role>.<id>``, value: the last heartbeat; the bucket's TTL
 drops a worker that stopped beating). ``PrefillWorker`` / ``DecodeWorker`` add what a request
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import sys
@@ -37,16 +36,13 @@ import time
 from typing import Any, ClassVar
 
 from nats.aio.subscription import Subscription
-from opentelemetry import propagate
 
 from kvpush.connector import (
     BoundedDict,
     Bus,
     BusConfig,
     BusConnectError,
-    TransferParams,
     configure_tracing,
-    samples_on_prefill,
 )
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
@@ -61,6 +57,7 @@ from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
+from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.metrics import EngineMetricsServer
 from kvpush.services.workers.registry import Registry
 
@@ -72,18 +69,6 @@ DEADLINE_GRACE_S = 1.0  # a request still running this long past its deadline is
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclasses.dataclass
-class InFlight:
-    """One request this worker accepted; ``handle`` is set once it went to the engine."""
-
-    event: RequestEvent
-    received_ns: int = 0  # unix ns the RequestEvent arrived
-    handle: RequestHandle | None = None
-    task: asyncio.Task[None] | None = None
-    aborted: str | None = None  # why it was aborted ("deadline", or the Abort's reason)
-    timer: asyncio.TimerHandle | None = None
 
 
 class Worker:
@@ -303,27 +288,6 @@ class Worker:
             event.transfer_id, event.prompt_token_ids, sampling, kv_transfer_params=kv_params
         )
         return entry.handle
-
-    def kv_params(
-        self, entry: InFlight, prefill_addresses: list[str] | None = None
-    ) -> dict[str, Any]:
-        """The connector's ``kv_transfer_params`` for ``entry`` (trace context included)."""
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        event = entry.event
-        return TransferParams(
-            transfer_id=event.transfer_id,
-            prefill_id=event.prefill_id,
-            decode_id=event.decode_id,
-            mode=event.mode,
-            deadline_ms=event.deadline_ms,
-            traceparent=carrier.get("traceparent"),
-            prefill_address=prefill_addresses[0] if prefill_addresses else None,
-            prefill_addresses=list(prefill_addresses or []),
-            received_ns=entry.received_ns,
-            first_token_from_prefill=event.first_token_by is WorkerRole.PREFILL
-            and samples_on_prefill(event.sampling),  # (D's engine sees one answer's params)
-        ).to_params()
 
     # ---- aborts -----------------------------------------------------------------------------
     async def _on_abort(self, subject: str, message: object) -> None:

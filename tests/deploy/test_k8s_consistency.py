@@ -115,7 +115,7 @@ def read_variables() -> set[str]:
     """Every KVPUSH_* variable a service reads: its settings tables, and names in the code."""
     from kvpush.services.gateway.config import SETTINGS as GATEWAY
     from kvpush.services.up_config import SETTINGS as UP
-    from kvpush.services.workers.config import SETTINGS as WORKER
+    from kvpush.services.workers.flags import SETTINGS as WORKER
 
     named = set(re.findall(r'"(KVPUSH_[A-Z0-9_]+)"', code_text()))
     return named | {row.variable for table in (GATEWAY, WORKER, UP) for row in table}

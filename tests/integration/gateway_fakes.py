@@ -41,7 +41,7 @@ from kvpush.schemas.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
-from kvpush.services import models
+from kvpush.services import model_tokenizer, models
 from kvpush.services.gateway import Gateway, GatewayConfig
 
 HEARTBEAT_S = 0.1
@@ -156,8 +156,10 @@ class FakeWorker:
 def write_model_dir(out: Path) -> Path:
     """The tiny model's tokenizer, stamp, config.json and generation_config.json (no weights:
     gateways, vLLM's serving layer included, read no weights)."""
-    tokenizer = models._train_tokenizer(models.TINY)
-    models._write_tokenizer(tokenizer, out)
+    tokenizer = model_tokenizer.train_tokenizer(
+        models.TINY.vocab_size, models.TINY.max_context, models.TINY.seed
+    )
+    model_tokenizer.write_tokenizer(tokenizer, out)
     stamp = {"format": models.STAMP_FORMAT, "recipe": dataclasses.asdict(models.TINY)}
     (out / models.STAMP_FILE).write_text(json.dumps(stamp))
     for config in models.hf_configs(models.TINY, tokenizer):

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.services import models
-from kvpush.services.models import SPECIAL_TOKENS, STAMP_FILE, TINY, build_model
+from kvpush.services.model_tokenizer import SPECIAL_TOKENS
+from kvpush.services.models import STAMP_FILE, TINY, build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,10 +16,11 @@ from kvpush.services.settings import ConfigError, Setting
 from kvpush.services.up_config import SETTINGS as UP_SETTINGS
 from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
+from kvpush.services.workers import flags as worker_flags
 
 TABLES = {
     "gateway": gateway_config.SETTINGS,
-    "worker": worker_config.SETTINGS,
+    "worker": worker_flags.SETTINGS,
     "up": UP_SETTINGS,
 }
 TABLE = (
@@ -325,7 +326,7 @@ def test_a_gpu_s_engines_start_at_once_when_each_remembers_its_kv_size(
     assert decode.argv[-2:] == ["--start-after", str(decode.gate)]
     at = decode.argv.index("kvpush.services.cli") + 1
     gated = worker_config.config_from_args(
-        WorkerRole.DECODE, parse(worker_config.SETTINGS, *decode.argv[at + 1 :]), {}
+        WorkerRole.DECODE, parse(worker_flags.SETTINGS, *decode.argv[at + 1 :]), {}
     ).engine_config()
     assert gated.start_gate == str(decode.gate)
     decode.open_gate()
