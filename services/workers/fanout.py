@@ -221,9 +221,11 @@ class AnswersHost:
         """One delta of answer ``engine_id`` to its request's handle; answer 0's first output
         starts the later answers (its prompt KV is in the prefix cache now)."""
         answers.handle._push(answers.take(engine_id, delta))
-        add = functools.partial(self._add_answer, answers)
-        if answers.later and delta.index == 0 and (last := answers.start_later(add)) is not None:
-            answers.handle._push(last)
+        if answers.later and delta.index == 0:
+            # only while later answers wait (n > 1): no per-token allocation otherwise
+            last = answers.start_later(functools.partial(self._add_answer, answers))
+            if last is not None:
+                answers.handle._push(last)
         if answers.handle.finished_at is not None:
             self._requests.pop(answers.request_id, None)
 
