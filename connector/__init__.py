@@ -9,39 +9,15 @@ names below (``tests/unit/test_import_graph.py`` holds them to it); nothing here
 Threading model: see each module; importing this package starts no thread.
 """
 
-from kvpush.connector.agent import AgentConfig, AgentError, Backend, NixlAgent, XferStatus
+from kvpush.connector.agent import AgentConfig, NixlAgent, XferStatus
 from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.bus import DEFAULT_NATS_URL, Bus, BusConfig, BusConnectError
-from kvpush.connector.layout import (
-    KvRegion,
-    MemType,
-    PoolLayout,
-    ids_to_runs,
-    pool_layout,
-    runs_to_ids,
-)
+from kvpush.connector.layout import pool_layout, runs_to_ids
 from kvpush.connector.link import EngineLink
-from kvpush.connector.params import (
-    ConnectorSettings,
-    PrefillToken,
-    TransferParams,
-    read_params,
-    samples_on_prefill,
-    timing_of,
-)
-from kvpush.connector.peering import CompatInfo, compat_hash
+from kvpush.connector.params import PrefillToken, TransferParams, samples_on_prefill, timing_of
+from kvpush.connector.peering import CompatInfo
 from kvpush.connector.poller import Poller, worker_intervals
-from kvpush.connector.sidechannel import HandshakeError, IncompatiblePeerError, TransportError
-from kvpush.connector.tracing import (
-    configure_tracing,
-    configure_tracing_from_env,
-    emit_span,
-    monotonic_to_ns,
-    now_ns,
-    shutdown_tracing,
-    tracing_on,
-)
-from kvpush.connector.transfer import Role, TransferEvent, TransferState
+from kvpush.connector.tracing import configure_tracing, emit_span, monotonic_to_ns, tracing_on
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.gate import LayerGate
 from kvpush.connector.vllm.runtime import ConnectorInfo
@@ -64,46 +40,28 @@ __all__ = [
     "VLLM_SCHEDULER",
     "VLLM_WORKER_EXTENSION",
     "AgentConfig",
-    "AgentError",
-    "Backend",
     "BoundedDict",
     "Bus",
     "BusConfig",
     "BusConnectError",
     "CompatInfo",
     "ConnectorInfo",
-    "ConnectorSettings",
     "EngineLink",
-    "HandshakeError",
-    "IncompatiblePeerError",
-    "KvRegion",
     "KvTransport",
     "LayerGate",
-    "MemType",
     "NixlAgent",
     "Poller",
-    "PoolLayout",
     "PrefillToken",
-    "Role",
-    "TransferEvent",
     "TransferParams",
-    "TransferState",
     "TransportConfig",
-    "TransportError",
     "XferStatus",
-    "compat_hash",
     "configure_tracing",
-    "configure_tracing_from_env",
     "emit_span",
-    "ids_to_runs",
     "monotonic_to_ns",
     "normal_dummy_weights",
-    "now_ns",
     "pool_layout",
-    "read_params",
     "runs_to_ids",
     "samples_on_prefill",
-    "shutdown_tracing",
     "timing_of",
     "tracing_on",
     "worker_intervals",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -65,24 +66,20 @@ class AgentError(RuntimeError):
     """A NIXL call failed; ``status`` is NIXL's status name (e.g. NIXL_ERR_REMOTE_DISCONNECT)."""
 
     def __init__(self, what: str, exc: BaseException | str) -> None:
-        self.status = (
-            str(exc)
-            if not isinstance(exc, BaseException)
-            else (str(exc.args[0]) if exc.args else type(exc).__name__)
-        )
+        if isinstance(exc, BaseException):
+            exc = exc.args[0] if exc.args else type(exc).__name__
+        self.status = str(exc)
         super().__init__(f"{what}: {self.status}")
 
 
+@dataclass(eq=False, slots=True)
 class XferHandle:
     """One posted NIXL request. ``release()`` must succeed before its memory may be reused."""
 
-    __slots__ = ("descriptors", "nbytes", "raw", "released")
-
-    def __init__(self, raw: Any, nbytes: int, descriptors: int) -> None:
-        self.raw = raw
-        self.nbytes = nbytes
-        self.descriptors = descriptors
-        self.released = False
+    raw: Any
+    nbytes: int
+    descriptors: int
+    released: bool = False
 
 
 class NixlAgent:
@@ -95,7 +92,6 @@ class NixlAgent:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.config = config
-        self.name = config.name
         conf = nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
@@ -115,7 +111,6 @@ class NixlAgent:
                 "libcuda and a fabric provider)",
                 exc,
             ) from exc
-        self.backend_params = params
         self._registered: list[Any] = []
         self._dlists: list[Any] = []
         self.live_handles = 0

@@ -2,8 +2,7 @@
 
 Every memory kvpush keeps of things that may never be claimed (announcements that came before
 their request, notices of forgotten transfers, seen nonces, aborts of requests not yet seen,
-timing marks) is one of these: adding an entry past the limit drops the oldest, and
-``evicted`` counts what was dropped.
+timing marks) is one of these: adding an entry past the limit drops the oldest.
 
 Threading model: none; the owner locks (like a dict).
 """
@@ -23,13 +22,11 @@ class BoundedDict(OrderedDict[K, V]):
             raise ValueError(f"BoundedDict limit must be >= 0, not {limit}")
         super().__init__()
         self.limit = limit
-        self.evicted = 0
 
     def __setitem__(self, key: K, value: V) -> None:
         super().__setitem__(key, value)
         while len(self) > self.limit:
             self.popitem(last=False)
-            self.evicted += 1
 
     def refresh(self, key: K, value: V) -> None:
         """Set ``key`` and make it the newest (least likely to be dropped next)."""

@@ -18,6 +18,7 @@ nats-py drops messages for that subscription and reports a slow consumer, counte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -75,11 +76,8 @@ class BusConfig:
         ``KVPUSH_NATS_TLS_CA`` / ``KVPUSH_NATS_TLS_CERT`` / ``KVPUSH_NATS_TLS_KEY``. A URL may
         also carry ``user:password@`` or ``token@`` itself."""
         env = os.environ if env is None else env
-        values: dict[str, Any] = {"url": url, "name": name}
-        for field_name, variable in ENV_CREDENTIALS.items():
-            if env.get(variable):
-                values[field_name] = env[variable]
-        return cls(**{**values, **overrides})
+        found = {key: env[var] for key, var in ENV_CREDENTIALS.items() if env.get(var)}
+        return cls(**{"url": url, "name": name, **found, **overrides})
 
     def tls_context(self) -> ssl.SSLContext | None:
         if not (self.tls_ca_file or self.tls_cert_file):
@@ -107,8 +105,6 @@ class BusConnectError(ConnectionError):
 
 @dataclass
 class BusStats:
-    published: int = 0
-    received: int = 0
     malformed: Counter[str] = field(default_factory=Counter)  # by MessageErrorKind value
     handler_errors: int = 0
     dropped: int = 0  # slow-consumer drops reported by nats-py
@@ -119,7 +115,7 @@ class Bus:
     """One NATS connection carrying typed kvpush messages; see the module docstring."""
 
     def __init__(self, client: Client, config: BusConfig) -> None:
-        self._nc = client
+        self.client = client  # the nats-py client (JetStream / KV use it directly)
         self.config = config
         self.stats = BusStats()
         self._last_warning: dict[str, float] = {}
@@ -177,13 +173,8 @@ class Bus:
         return bus
 
     @property
-    def client(self) -> Client:
-        """The underlying nats-py client (JetStream / KV use it directly)."""
-        return self._nc
-
-    @property
     def is_connected(self) -> bool:
-        return self._nc.is_connected
+        return self.client.is_connected
 
     async def publish(self, subject: str, message: BusMessage, *, span: bool = True) -> None:
         """Encode and publish ``message``; the current trace context travels in the headers.
@@ -205,11 +196,10 @@ class Bus:
                 },
             ):
                 propagate.inject(headers)
-                await self._nc.publish(subject, payload, headers=headers or None)
+                await self.client.publish(subject, payload, headers=headers or None)
         else:
             propagate.inject(headers)
-            await self._nc.publish(subject, payload, headers=headers or None)
-        self.stats.published += 1
+            await self.client.publish(subject, payload, headers=headers or None)
 
     async def subscribe(
         self,
@@ -225,7 +215,6 @@ class Bus:
         ``span=False``: no ``bus.receive`` span (hot paths such as token chunks)."""
 
         async def on_message(msg: Msg) -> None:
-            self.stats.received += 1
             try:
                 message = codec.decode(msg.subject, msg.data)
             except MessageError as exc:
@@ -234,24 +223,21 @@ class Bus:
                     exc.kind.value, "dropped bad message on %s: %s", msg.subject, exc
                 )
                 return
-            if not span or not msg.headers or "traceparent" not in msg.headers:
-                # No trace to join (heartbeats, token chunks): no span, no root-span noise.
-                try:
-                    await handler(msg.subject, message)
-                except Exception:
-                    self.stats.handler_errors += 1
-                    log.exception("handler for %s failed on %s", subject_filter, msg.subject)
-                return
-            parent = propagate.extract(msg.headers)
-            with _tracer.start_as_current_span(
-                "bus.receive",
-                context=parent,
-                kind=SpanKind.CONSUMER,
-                attributes={
-                    "messaging.system": "nats",
-                    "messaging.operation.type": "receive",
-                    "messaging.destination.name": msg.subject,
-                },
+            # No trace to join (heartbeats, token chunks): no span, no root-span noise.
+            traced = span and msg.headers and "traceparent" in msg.headers
+            with (
+                _tracer.start_as_current_span(
+                    "bus.receive",
+                    context=propagate.extract(msg.headers),
+                    kind=SpanKind.CONSUMER,
+                    attributes={
+                        "messaging.system": "nats",
+                        "messaging.operation.type": "receive",
+                        "messaging.destination.name": msg.subject,
+                    },
+                )
+                if traced
+                else contextlib.nullcontext()
             ):
                 try:
                     await handler(msg.subject, message)
@@ -259,7 +245,7 @@ class Bus:
                     self.stats.handler_errors += 1
                     log.exception("handler for %s failed on %s", subject_filter, msg.subject)
 
-        return await self._nc.subscribe(
+        return await self.client.subscribe(
             subject_filter,
             queue=queue,
             cb=on_message,
@@ -283,21 +269,21 @@ class Bus:
         # timeout: time it with asyncio.wait, and cancel it only once it is late.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        handed = asyncio.ensure_future(self._nc._flush_pending(force_flush=True))
+        handed = asyncio.ensure_future(self.client._flush_pending(force_flush=True))
         done, _ = await asyncio.wait({handed}, timeout=timeout_s)
         if not done:
             handed.cancel()
             raise nats.errors.FlushTimeoutError
-        await self._nc.flush(timeout=max(deadline - loop.time(), 0.001))
+        await self.client.flush(timeout=max(deadline - loop.time(), 0.001))
 
     async def drain(self) -> None:
         """Stop receiving, deliver what is pending, flush publishes, close."""
-        if not self._nc.is_closed:
-            await self._nc.drain()
+        if not self.client.is_closed:
+            await self.client.drain()
 
     async def close(self) -> None:
-        if not self._nc.is_closed:
-            await self._nc.close()
+        if not self.client.is_closed:
+            await self.client.close()
 
     def _warn_limited(self, key: str, fmt: str, *args: object) -> None:
         now = time.monotonic()

@@ -64,7 +64,6 @@ class TransferEngine:
         self.local_prep = local_prep
         self.cancel_grace_s = cancel_grace_s
         self.max_transfers = max_transfers
-        self.max_early_notices = max_early_notices
         self.clock = clock
         self.peers: dict[str, PeerLink] = {}
         self.transfers: dict[str, Transfer] = {}
@@ -73,21 +72,14 @@ class TransferEngine:
 
     # ---- creating ---------------------------------------------------------------------------
     def _new(
-        self, transfer_id: str, role: Role, peer: str | None, timeout_s: float, epoch: int | None
+        self, transfer_id: str, role: Role, peer: str | None, timeout_s: float, **fields: Any
     ) -> Transfer:
         if transfer_id in self.transfers:
             raise ValueError(f"transfer {transfer_id} already exists")
         if len(self.transfers) >= self.max_transfers:
             raise TransportError(f"too many transfers ({self.max_transfers})")
         now = self.clock()
-        t = Transfer(
-            transfer_id=transfer_id,
-            role=role,
-            peer=peer,
-            created=now,
-            deadline=now + timeout_s,
-            peer_epoch=epoch,
-        )
+        t = Transfer(transfer_id, role, peer, created=now, deadline=now + timeout_s, **fields)
         self.transfers[transfer_id] = t
         return t
 
@@ -105,9 +97,8 @@ class TransferEngine:
         """A new initiator transfer; READY at once if ``peer`` is attached, else WAITING_PEER."""
         check_runs(local_runs, self.layout.num_blocks, "local")
         segments = pair_runs(local_runs, remote_runs)
-        t = self._new(transfer_id, role, peer, timeout_s, peer_epoch)
+        t = self._new(transfer_id, role, peer, timeout_s, peer_epoch=peer_epoch, segments=segments)
         t.leg = link or LegSpec()
-        t.segments = segments
         t.local_ids, t.remote_ids = segment_ids(segments, 0), segment_ids(segments, 1)
         if peer in self.peers:
             self._on_peer_ready(t, self.clock())
@@ -120,8 +111,7 @@ class TransferEngine:
         peer: str | None,
         sender_at: dict[str, int] | None = None,
     ) -> Transfer:
-        t = self._new(transfer_id, Role.TARGET, peer, timeout_s, None)
-        t.sender_at = dict(sender_at or {})
+        t = self._new(transfer_id, Role.TARGET, peer, timeout_s, sender_at=dict(sender_at or {}))
         for notice in self._early.pop(transfer_id, None) or []:
             t.on_notice(notice.kind, self.clock(), notice.sender, notice.senders)
         return t
@@ -153,7 +143,7 @@ class TransferEngine:
                 continue
             if t.initiator and t.state is not _S.WAITING_PEER:
                 self._fail(t, now, FailReason.TRANSFER, why)
-                self._cancel(t, force=True)
+                self._cancel(t)
             elif not t.initiator:
                 if not t.state.terminal:
                     t.to(_S.FAILED, now, FailReason.TRANSFER, why)
@@ -180,8 +170,7 @@ class TransferEngine:
             self._fail(t, now, FailReason.POST, str(exc))
             return
         remote = peer.info.pool
-        parts = t.leg.parts
-        mismatch = slice_diff(self.layout, remote, *parts)
+        mismatch = slice_diff(self.layout, remote, *t.leg.parts)
         if mismatch:  # before any request: nothing was written
             self._fail(t, now, FailReason.INCOMPATIBLE, mismatch[0])
             return
@@ -226,7 +215,7 @@ class TransferEngine:
         except AgentError as exc:
             self._fail(t, now, FailReason.POST, str(exc))
             return False
-        posted = Posted(handle=handle, layers=layers, posted_at=now)
+        posted = Posted(handle=handle, layers=layers)
         t.requests.append(posted)
         t.nbytes += nbytes
         t.descriptors += descs
@@ -313,14 +302,13 @@ class TransferEngine:
         log.warning("transfer %s failed (%s): %s", t.transfer_id, reason.value, detail)
         t.to(_S.FAILED, now, reason, detail)
 
-    def _cancel(self, t: Transfer, force: bool) -> None:
-        for p in t.in_flight:
-            if p.done or force:
-                self.agent.release(p.handle)
+    def _cancel(self, t: Transfer) -> None:
+        for p in t.in_flight:  # release() cancels a request still running
+            self.agent.release(p.handle)
 
     def cancel_all(self) -> None:
         for t in self.transfers.values():
-            self._cancel(t, force=True)
+            self._cancel(t)
 
     # ---- progress ---------------------------------------------------------------------------
     def progress(self) -> list[TransferEvent]:
@@ -360,7 +348,7 @@ class TransferEngine:
                 t.transfer_id,
                 len(t.in_flight),
             )
-            self._cancel(t, force=True)
+            self._cancel(t)
         if t.quiesced:
             if t.state is _S.ABORTING:
                 t.to(_S.ABORTED, now)

@@ -205,8 +205,8 @@ def ids_to_runs(ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
     return [(int(arr[s]), int(c)) for s, c in zip(starts, counts, strict=True)]
 
 
-def check_runs(runs: Runs, num_blocks: int, side: str) -> int:
-    """Raise ``ValueError`` if a run leaves ``[0, num_blocks)`` or runs overlap; return blocks."""
+def check_runs(runs: Runs, num_blocks: int, side: str) -> None:
+    """Raise ``ValueError`` if a run leaves ``[0, num_blocks)`` or runs overlap."""
     spans = sorted((int(first), int(count)) for first, count in runs)
     end = 0
     for first, count in spans:
@@ -217,7 +217,6 @@ def check_runs(runs: Runs, num_blocks: int, side: str) -> int:
         end = first + count
     if end > num_blocks:
         raise ValueError(f"{side} block id {end - 1} is outside the pool (0..{num_blocks - 1})")
-    return sum(count for _, count in spans)
 
 
 def pair_runs(local_runs: Runs, remote_runs: Runs) -> np.ndarray:
@@ -345,18 +344,5 @@ def layer_index_tables(layout: PoolLayout, ids: np.ndarray) -> list[np.ndarray]:
     counts = [r.num_blocks for regions in layout.layers for r in regions]
     starts = np.cumsum([0, *counts[:-1]], dtype=np.int64)
     table = (starts[:, None] + ids[None, :]).astype(np.int32)  # [layer*region, block]
-    per_layer = [len(regions) for regions in layout.layers]
-    if len(set(per_layer)) == 1:
-        return list(table.reshape(len(per_layer), -1))
-    bounds = np.cumsum([0, *per_layer])
-    return [table[a:b].reshape(-1) for a, b in itertools.pairwise(bounds)]
-
-
-def descriptors_per_layer(
-    local: PoolLayout,
-    remote: PoolLayout,
-    segments: np.ndarray,
-    parts: tuple[Slice, Slice] = (WHOLE, WHOLE),
-) -> list[int]:
-    """``count_descriptors`` for each layer on its own."""
-    return [count_descriptors(local, remote, [i], segments, parts) for i in range(local.num_layers)]
+    bounds = np.cumsum([0, *(len(regions) for regions in layout.layers)])
+    return [table[a:b].reshape(-1) for a, b in itertools.pairwise(bounds)]  # views of ``table``

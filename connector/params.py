@@ -135,17 +135,15 @@ def samples_on_prefill(sampling: Any) -> bool:
     def get(name: str, default: Any = None) -> Any:
         return getattr(sampling, name, default)
 
-    seeded = (get("temperature", 1.0) or 0.0) > 0 and get("seed") is not None
-    history = (
-        (get("presence_penalty", 0.0) or 0.0) != 0
-        or (get("frequency_penalty", 0.0) or 0.0) != 0
-        or (get("min_tokens", 0) or 0) > 0
-        or bool(get("bad_words"))
-        or get("structured_outputs") is not None
-        or get("allowed_token_ids") is not None
+    seeded = bool(get("temperature", 1.0)) and get("seed") is not None
+    counted = ("presence_penalty", "frequency_penalty", "min_tokens", "bad_words")
+    asked = ("structured_outputs", "allowed_token_ids", "logprobs", "prompt_logprobs")
+    return (
+        (get("n") or 1) == 1
+        and not seeded
+        and not any(get(name) for name in counted)
+        and all(get(name) is None for name in asked)
     )
-    asks_logprobs = get("logprobs") is not None or get("prompt_logprobs") is not None
-    return (get("n", 1) or 1) == 1 and not asks_logprobs and not seeded and not history
 
 
 def first_token_end(

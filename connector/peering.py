@@ -42,12 +42,10 @@ def compat_hash(info: CompatInfo) -> str:
 
 def compat_diff(local: CompatInfo, peer: CompatInfo) -> list[str]:
     """Human-readable differences, e.g. ``["dtype: local float32, peer float16"]``."""
-    out = []
-    for field in local.__struct_fields__:
-        mine, theirs = getattr(local, field), getattr(peer, field)
-        if mine != theirs:
-            out.append(f"{field}: local {mine!r}, peer {theirs!r}")
-    return out
+    pairs = (
+        (field, getattr(local, field), getattr(peer, field)) for field in local.__struct_fields__
+    )
+    return [f"{field}: local {a!r}, peer {b!r}" for field, a, b in pairs if a != b]
 
 
 def geometry_diff(local: PoolLayout, peer: PoolLayout) -> list[str]:

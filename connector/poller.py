@@ -11,6 +11,7 @@ the poller thread after new events were queued.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -48,9 +49,7 @@ class Poller:
         self.transport = transport
         self.on_events = on_events  # called on the poller thread after events were queued
         transport.on_change = self.wake
-        self.busy_interval_s = busy_interval_s
-        self.idle_interval_s = idle_interval_s
-        self.target_interval_s = target_interval_s
+        self.intervals = (busy_interval_s, target_interval_s, idle_interval_s)
         self.events: queue.Queue[TransferEvent] = queue.Queue(maxsize=max_events)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -62,18 +61,12 @@ class Poller:
             events = self.transport.poll()
             for event in events:
                 while not self._stop.is_set():  # full queue: wait for the owner, drop nothing
-                    try:
+                    with contextlib.suppress(queue.Full):
                         self.events.put(event, timeout=0.1)
                         break
-                    except queue.Full:
-                        continue
             if events and self.on_events is not None:
                 self.on_events()
-            self._wake.wait(
-                self.transport.poll_interval(
-                    self.busy_interval_s, self.target_interval_s, self.idle_interval_s
-                )
-            )
+            self._wake.wait(self.transport.poll_interval(*self.intervals))
             self._wake.clear()
 
     def wake(self) -> None:

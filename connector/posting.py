@@ -19,8 +19,8 @@ import numpy as np
 from kvpush.connector.agent import NixlAgent, XferHandle, XferStatus
 from kvpush.connector.layout import (
     PoolLayout,
+    count_descriptors,
     descriptor_pair,
-    descriptors_per_layer,
     layer_index_tables,
 )
 from kvpush.connector.transfer import PeerLink, Role, Transfer
@@ -33,10 +33,10 @@ def plan_layers(t: Transfer, layout: PoolLayout, remote: PoolLayout, prepped: bo
     if prepped and parts[0].whole and parts[1].whole:
         t.local_index = layer_index_tables(layout, t.local_ids)
         t.remote_index = layer_index_tables(remote, t.remote_ids)
-    t.layer_descs = descriptors_per_layer(layout, remote, t.segments, parts)
+    layers = range(layout.num_layers)
+    t.layer_descs = [count_descriptors(layout, remote, [i], t.segments, parts) for i in layers]
     t.layer_nbytes = [
-        int(t.local_ids.size) * layout.layer_bytes([layer]) // parts[0].parts
-        for layer in range(layout.num_layers)
+        int(t.local_ids.size) * layout.layer_bytes([i]) // parts[0].parts for i in layers
     ]
 
 

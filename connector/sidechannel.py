@@ -28,6 +28,7 @@ Threading model:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -136,16 +137,10 @@ class SideChannelServer:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.host, self.port = host, port
+        self.port = port
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvpush-sidechannel", daemon=True)
         self._thread.start()
-
-    def address(self, advertise_host: str | None = None) -> str:
-        host = advertise_host or self.host
-        if host in ("0.0.0.0", "*"):
-            raise ValueError("bound to all interfaces: give an advertise host peers can reach")
-        return f"tcp://{host}:{self.port}"
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -167,9 +162,7 @@ class SideChannelServer:
     def _answer(self, payload: bytes) -> bytes:
         try:
             hello = _request_decoder.decode(payload)
-        except msgspec.ValidationError as exc:
-            return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
-        except msgspec.DecodeError as exc:
+        except msgspec.DecodeError as exc:  # ValidationError is one
             return _encoder.encode(Refused(code="bad_request", detail=str(exc)[:500]))
         if self._token is not None and not self._authentic(hello):
             log.warning("refusing peer %s: no valid token proof", hello.agent_name[:100])
@@ -203,12 +196,10 @@ def fetch_peer(
     compat: CompatInfo,
     agent_name: str,
     timeout_s: float,
-    ctx: zmq.Context | None = None,
     token: str | None = None,
 ) -> PeerInfo:
     """Ask ``address`` for its ``PeerInfo``; raise ``HandshakeError``/``IncompatiblePeerError``."""
-    ctx = ctx or zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
+    sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     timeout_ms = max(1, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -240,39 +231,22 @@ class HandshakeFetches:
     """The side-channel fetches in flight, by peer address; they run off the owner thread.
 
     ``request`` starts (or joins) a fetch and returns its Future; ``settle`` takes a finished
-    one's outcome. Bound: one in-flight fetch per address, ``max_workers`` fetches at a time.
+    one's outcome. Bound: one in-flight fetch per address, two fetches at a time.
     """
 
     def __init__(
-        self,
-        compat: CompatInfo,
-        agent_name: str,
-        timeout_s: float,
-        max_workers: int = 2,
-        token: str | None = None,
+        self, compat: CompatInfo, agent_name: str, timeout_s: float, token: str | None = None
     ) -> None:
-        self.compat = compat
-        self.token = token
-        self.agent_name = agent_name
-        self.timeout_s = timeout_s
-        self._ctx = zmq.Context()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpush-hs")
+        self._fetch = functools.partial(
+            fetch_peer, compat=compat, agent_name=agent_name, timeout_s=timeout_s, token=token
+        )
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpush-hs")
         self._pending: dict[str, Future[PeerInfo]] = {}
 
     def request(self, address: str) -> Future[PeerInfo]:
-        future = self._pending.get(address)
-        if future is None:
-            future = self._pool.submit(
-                fetch_peer,
-                address,
-                self.compat,
-                self.agent_name,
-                self.timeout_s,
-                self._ctx,
-                self.token,
-            )
-            self._pending[address] = future
-        return future
+        if address not in self._pending:
+            self._pending[address] = self._pool.submit(self._fetch, address)
+        return self._pending[address]
 
     def settle(self, address: str) -> PeerInfo | BaseException | None:
         """The outcome of a finished fetch, or None while it is still running."""
@@ -280,14 +254,10 @@ class HandshakeFetches:
         if future is None or not future.done():
             return None
         del self._pending[address]
-        exc = future.exception()
-        if exc is not None:
-            return exc
-        return future.result()
+        return future.exception() or future.result()
 
     def pending(self) -> list[str]:
         return list(self._pending)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._ctx.term()

@@ -7,16 +7,9 @@ request's parent context from its W3C ``traceparent``. With no SDK tracer provid
 ``emit_span`` returns at once: tracing off costs one ``isinstance`` check.
 
 ``configure_tracing(service_name, trace_file)`` installs one SDK ``TracerProvider`` as the global
-provider, with a ``BatchSpanProcessor`` per exporter:
-
-- ``--trace-file PATH`` (or ``KVPUSH_TRACE_FILE``): ``JsonLinesExporter``, one JSON line a span;
-  several processes may append to one file.
-- the standard OpenTelemetry variables: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``,
-  ``none``; ``otlp`` is implied by ``OTEL_EXPORTER_OTLP_ENDPOINT`` or
-  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), ``OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL``
-  (``http/protobuf``, the default, or ``grpc``), the endpoint/headers variables read by the
-  exporters themselves, ``OTEL_RESOURCE_ATTRIBUTES`` and
-  ``OTEL_SDK_DISABLED``.
+provider, with a ``BatchSpanProcessor`` per exporter that ``--trace-file PATH`` (or
+``KVPUSH_TRACE_FILE``: ``JsonLinesExporter``) and the standard ``OTEL_*`` variables ask for
+(OTLP over HTTP or gRPC, console; the table in docs/observability.md).
 
 With none of them set nothing is installed: the API's no-op tracer stays, and a span costs a
 function call (``kvpush bench`` shows it does not move TTFT). ``configure_tracing_from_env`` is
@@ -38,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -139,11 +133,9 @@ def _otlp_exporter() -> SpanExporter:
         raise ValueError(
             f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: kvpush supports grpc and http/protobuf"
         )
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return HttpExporter()
+    return OTLPSpanExporter()
 
 
 def exporters_from_env(trace_file: str | None = None) -> list[SpanExporter]:
@@ -171,22 +163,16 @@ def exporters_from_env(trace_file: str | None = None) -> list[SpanExporter]:
 
 
 class UrandomIdGenerator(IdGenerator):
-    """Span and trace ids from ``os.urandom``. The SDK's default draws from the ``random``
+    """Span and trace ids from ``secrets`` (os.urandom). The SDK's default draws from the ``random``
     module, which vLLM seeds with the engine's seed in every engine process: a prefill and a
     decode worker then made the *same* span ids (seen as parent links pointing at the wrong
     process's span)."""
 
     def generate_span_id(self) -> int:
-        while True:
-            value = int.from_bytes(os.urandom(8), "big")
-            if value:
-                return value
+        return secrets.randbits(64) or self.generate_span_id()  # 0 is not a valid id
 
     def generate_trace_id(self) -> int:
-        while True:
-            value = int.from_bytes(os.urandom(16), "big")
-            if value:
-                return value
+        return secrets.randbits(128) or self.generate_trace_id()
 
 
 def configure_tracing(service_name: str, trace_file: str | None = None) -> bool:
@@ -194,7 +180,7 @@ def configure_tracing(service_name: str, trace_file: str | None = None) -> bool:
 
     ``trace_file`` is also exported as ``KVPUSH_TRACE_FILE`` so engine subprocesses follow.
     """
-    if _has_sdk_provider():
+    if tracing_on():
         return True
     exporters = exporters_from_env(trace_file)
     if not exporters:
@@ -215,13 +201,7 @@ def configure_tracing(service_name: str, trace_file: str | None = None) -> bool:
 
 def configure_tracing_from_env(service_name: str) -> bool:
     """``configure_tracing`` without arguments, unless a provider is already installed."""
-    if _has_sdk_provider():
-        return True
     return configure_tracing(service_name)
-
-
-def _has_sdk_provider() -> bool:
-    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def shutdown_tracing() -> None:
@@ -244,7 +224,7 @@ def monotonic_to_ns(instant: float, now: float | None = None) -> int:
 
 def tracing_on() -> bool:
     """Is an SDK tracer provider installed (spans are recorded)?"""
-    return _has_sdk_provider()
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def trace_parent(traceparent: str | None) -> Context | None:

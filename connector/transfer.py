@@ -34,7 +34,6 @@ which mutates them only under its lock.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +43,7 @@ import numpy as np
 from kvpush.connector.agent import XferHandle
 from kvpush.connector.layout import WHOLE, Slice
 from kvpush.connector.sidechannel import PeerInfo
+from kvpush.connector.tracing import monotonic_to_ns
 from kvpush.schemas.messages import FailReason, LayerTiming
 
 NOTICE_VERSION = 1
@@ -132,7 +132,6 @@ class Posted:
 
     handle: XferHandle
     layers: tuple[int, ...]
-    posted_at: float
     done: bool = False
 
 
@@ -219,7 +218,6 @@ class Transfer:
         if key == self.reported:
             return None
         self.reported = key
-        wall_ns = time.time_ns()  # ``now`` and the stamps are time.monotonic() seconds
         return TransferEvent(
             transfer_id=self.transfer_id,
             role=self.role,
@@ -236,8 +234,8 @@ class Transfer:
                 for k, v in sorted(self.timings.items())
                 if v[1] >= 0
             ],
-            started_ns=wall_ns - int((now - self.created) * 1e9),
-            ended_ns=wall_ns - int((now - (self.ended_at or now)) * 1e9),
+            started_ns=monotonic_to_ns(self.created, now),
+            ended_ns=monotonic_to_ns(self.ended_at or now, now),
         )
 
     # ---- notices from the initiator (target side) ---------------------------------------------

@@ -61,6 +61,9 @@ class KvTransport:
         self.epoch = config.epoch or time.time_ns() // 1_000_000
         self.compat_hash = compat_hash(config.compat)
         self.agent_name = f"{config.worker_id}-{self.epoch}"
+        advertised = config.advertise_host or config.host
+        if advertised in ("0.0.0.0", "*"):
+            raise ValueError("bound to all interfaces: give an advertise host peers can reach")
         self._lock = threading.RLock()
         self._closed = False
         self._agent = NixlAgent(
@@ -101,14 +104,10 @@ class KvTransport:
                 config.port,
                 config.token,
             )
-            try:
-                self.address = self._server.address(config.advertise_host)
-            except ValueError:
-                self._server.stop()
-                raise
         except Exception:
             self._agent.close()
             raise
+        self.address = f"tcp://{advertised}:{self._server.port}"
         self._peers = HandshakeFetches(
             config.compat, self.agent_name, config.handshake_timeout_s, token=config.token
         )
@@ -157,33 +156,29 @@ class KvTransport:
     def _settle(self, address: str) -> PeerInfo | BaseException | None:
         """Install a finished handshake into NIXL, or fail the transfers that waited on it."""
         outcome = self._peers.settle(address)
+        if isinstance(outcome, PeerInfo) and (diff := geometry_diff(self.layout, outcome.pool)):
+            outcome = IncompatiblePeerError(address, diff)
+        if isinstance(outcome, BaseException):
+            log.warning("handshake with %s failed: %s", address, outcome)
+            incompatible = isinstance(outcome, IncompatiblePeerError)
+            reason = FailReason.INCOMPATIBLE if incompatible else FailReason.HANDSHAKE
+            self._engine.fail_waiting(address, reason, str(outcome))
+            return outcome
         if outcome is None:
             return None
-        if isinstance(outcome, PeerInfo) and geometry_diff(self.layout, outcome.pool):
-            outcome = IncompatiblePeerError(address, geometry_diff(self.layout, outcome.pool))
-        if isinstance(outcome, PeerInfo):
-            try:
-                name = self._agent.add_peer(outcome.agent_metadata)
-                prep = None
-                if (
-                    self._engine.local_prep is not None
-                    and outcome.pool.prepped_size() <= self.config.prep_limit
-                ):
-                    prep = self._agent.prep(
-                        name, _per_block_descs(outcome.pool), outcome.pool.mem_type
-                    )
-            except AgentError as exc:
-                self._engine.fail_waiting(address, FailReason.HANDSHAKE, str(exc))
-                return exc
-            self._engine.attach(address, PeerLink(info=outcome, agent_name=name, prep=prep))
-            return outcome
-        reason = (
-            FailReason.INCOMPATIBLE
-            if isinstance(outcome, IncompatiblePeerError)
-            else FailReason.HANDSHAKE
-        )
-        log.warning("handshake with %s failed: %s", address, outcome)
-        self._engine.fail_waiting(address, reason, str(outcome))
+        pool = outcome.pool
+        try:
+            name = self._agent.add_peer(outcome.agent_metadata)
+            prep = None
+            if (
+                self._engine.local_prep is not None
+                and pool.prepped_size() <= self.config.prep_limit
+            ):
+                prep = self._agent.prep(name, _per_block_descs(pool), pool.mem_type)
+        except AgentError as exc:
+            self._engine.fail_waiting(address, FailReason.HANDSHAKE, str(exc))
+            return exc
+        self._engine.attach(address, PeerLink(info=outcome, agent_name=name, prep=prep))
         return outcome
 
     def _drop(self, address: str, why: str) -> None:
@@ -386,9 +381,3 @@ class KvTransport:
             for address in list(self._engine.peers):
                 self._drop(address, "transport closed")
             self._agent.close()
-
-    def __enter__(self) -> KvTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

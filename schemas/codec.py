@@ -18,6 +18,7 @@ import msgspec
 
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
+    ALL_MESSAGES,
     TAG_PREFIX,
     Abort,
     AbortAck,
@@ -35,19 +36,7 @@ from kvpush.schemas.subjects import SubjectError, SubjectKind
 
 MAX_PAYLOAD_BYTES: Final = 1024 * 1024  # nats-server's default max_payload
 
-BusMessage = Union[  # noqa: UP007  (a runtime union object for msgspec)
-    RequestEvent,
-    BlocksAnnounced,
-    KvReady,
-    KvPushed,
-    KvPushing,
-    FirstToken,
-    KvFailed,
-    TokenChunk,
-    Abort,
-    AbortAck,
-    WorkerHeartbeat,
-]
+BusMessage = Union[ALL_MESSAGES]  # noqa: UP007  (a runtime union object for msgspec)
 
 
 class MessageErrorKind(str, enum.Enum):
@@ -68,17 +57,21 @@ class MessageError(ValueError):
 
 
 _ENCODER: Final = msgspec.json.Encoder()
-_CARRIES: Final[dict[SubjectKind, object]] = {
-    SubjectKind.REQUEST: RequestEvent,
-    SubjectKind.BLOCKS: BlocksAnnounced,
-    SubjectKind.KV_READY: KvReady,
-    SubjectKind.KV_DONE: Union[KvPushed, KvPushing, FirstToken],  # noqa: UP007
-    SubjectKind.KV_FAILED: KvFailed,
-    SubjectKind.TOKENS: TokenChunk,
-    SubjectKind.ABORT: Union[Abort, AbortAck],  # noqa: UP007
-    SubjectKind.HEARTBEAT: WorkerHeartbeat,
+# the messages each subject kind carries (also the AsyncAPI channels' messages, export.py)
+CARRIES: Final[dict[SubjectKind, tuple[type[msgspec.Struct], ...]]] = {
+    SubjectKind.REQUEST: (RequestEvent,),
+    SubjectKind.BLOCKS: (BlocksAnnounced,),
+    SubjectKind.KV_READY: (KvReady,),
+    SubjectKind.KV_DONE: (KvPushed, KvPushing, FirstToken),
+    SubjectKind.KV_FAILED: (KvFailed,),
+    SubjectKind.TOKENS: (TokenChunk,),
+    SubjectKind.ABORT: (Abort, AbortAck),
+    SubjectKind.HEARTBEAT: (WorkerHeartbeat,),
 }
-_DECODERS: Final = {kind: msgspec.json.Decoder(t) for kind, t in _CARRIES.items()}
+_DECODERS: Final = {
+    kind: msgspec.json.Decoder(Union[carried])  # noqa: UP007
+    for kind, carried in CARRIES.items()
+}
 
 
 class _Envelope(msgspec.Struct):
@@ -135,13 +128,10 @@ def _check_ids(parsed: subjects.ParsedSubject, message: BusMessage) -> None:
     elif isinstance(message, (KvPushed, KvPushing, FirstToken, KvFailed)):
         expected = {"decode_id": ids[0]}
     elif isinstance(message, WorkerHeartbeat):
-        expected = {"worker_id": ids[1]}
-        if message.role.value != ids[0]:
-            raise MessageError(
-                MessageErrorKind.MISMATCH, f"role {message.role.value} on {ids[0]} subject"
-            )
+        expected = {"role": ids[0], "worker_id": ids[1]}
     for field, want in expected.items():
         got = getattr(message, field)
+        got = getattr(got, "value", got)  # the role: an enum
         if got != want:
             raise MessageError(
                 MessageErrorKind.MISMATCH, f"{field}={got!r} but subject says {want!r}"

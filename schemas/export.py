@@ -16,74 +16,55 @@ from typing import Any, Final
 import msgspec
 
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import (
-    ALL_MESSAGES,
-    PROTOCOL_VERSION,
-    Abort,
-    AbortAck,
-    BlocksAnnounced,
-    FirstToken,
-    KvFailed,
-    KvPushed,
-    KvPushing,
-    KvReady,
-    RequestEvent,
-    TokenChunk,
-    WorkerHeartbeat,
-)
+from kvpush.schemas.codec import CARRIES
+from kvpush.schemas.messages import ALL_MESSAGES, PROTOCOL_VERSION
+from kvpush.schemas.subjects import SubjectKind
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
 
-# channel id -> (address with parameters, parameter descriptions, messages, description)
-_CHANNELS: Final[dict[str, tuple[str, dict[str, str], tuple[type, ...], str]]] = {
+# channel id -> (subject kind, its id tokens' descriptions, description); the address is the
+# kind's subject with a parameter per id token, the messages those the kind carries (codec.py)
+_CHANNELS: Final[dict[str, tuple[SubjectKind, dict[str, str], str]]] = {
     "request": (
-        f"{subjects.ROOT}.req.{{prefill}}.{{decode}}",
+        SubjectKind.REQUEST,
         {"prefill": "prefill worker id", "decode": "decode worker id"},
-        (RequestEvent,),
         "One publish reaches the prefill worker (req.<P>.*) and the decode worker (req.*.<D>).",
     ),
     "blocks": (
-        f"{subjects.ROOT}.blocks.{{prefill}}",
+        SubjectKind.BLOCKS,
         {"prefill": "prefill worker id"},
-        (BlocksAnnounced,),
         "Decode announces the blocks prefill must WRITE into (push mode).",
     ),
     "kvReady": (
-        f"{subjects.ROOT}.kv.ready.{{decode}}",
+        SubjectKind.KV_READY,
         {"decode": "decode worker id"},
-        (KvReady,),
         "Prefill announces its blocks for decode to READ (pull mode).",
     ),
     "kvDone": (
-        f"{subjects.ROOT}.kv.done.{{decode}}",
+        SubjectKind.KV_DONE,
         {"decode": "decode worker id"},
-        (KvPushed, KvPushing, FirstToken),
         "Prefill started (KvPushing: decode polls for the end at full rate) and finished"
         " (KvPushed: observers, bookkeeping) pushing a transfer; the first token prefill"
         " sampled (FirstToken: decode continues the answer from it).",
     ),
     "kvFailed": (
-        f"{subjects.ROOT}.kv.failed.{{decode}}",
+        SubjectKind.KV_FAILED,
         {"decode": "decode worker id"},
-        (KvFailed,),
         "A transfer failed: decode falls back to local prefill.",
     ),
     "tokens": (
-        f"{subjects.ROOT}.tokens.{{gateway}}",
+        SubjectKind.TOKENS,
         {"gateway": "gateway id"},
-        (TokenChunk,),
         "Decode streams generated tokens to the gateway that owns the request.",
     ),
     "abort": (
-        f"{subjects.ROOT}.abort.{{worker}}",
+        SubjectKind.ABORT,
         {"worker": "worker id"},
-        (Abort, AbortAck),
         "Aborts (gateway -> workers) and abort acknowledgements (prefill -> decode).",
     ),
     "heartbeat": (
-        f"{subjects.ROOT}.heartbeat.{{role}}.{{worker}}",
+        SubjectKind.HEARTBEAT,
         {"role": "prefill or decode", "worker": "worker id"},
-        (WorkerHeartbeat,),
         "Worker liveness, load and free blocks; the gateway routes on these.",
     ),
 }
@@ -111,13 +92,14 @@ def _asyncapi() -> dict[str, Any]:
     )
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
-    for channel_id, (address, params, messages, description) in _CHANNELS.items():
+    for channel_id, (kind, params, description) in _CHANNELS.items():
+        tokens = "".join(f".{{{name}}}" for name in params)
         channels[channel_id] = {
-            "address": address,
+            "address": f"{subjects.ROOT}.{kind.value}{tokens}",
             "description": description,
             "parameters": {name: {"description": text} for name, text in params.items()},
             "messages": {
-                m.__name__: {"$ref": f"#/components/messages/{m.__name__}"} for m in messages
+                m.__name__: {"$ref": f"#/components/messages/{m.__name__}"} for m in CARRIES[kind]
             },
         }
         operations[f"publish_{channel_id}"] = {

@@ -19,12 +19,7 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
-from kvpush.schemas.sampling import (
-    MAX_TOKEN_ID,
-    PositionLogprobs,
-    SamplingSpec,
-    SequenceOutput,
-)
+from kvpush.schemas.sampling import PositionLogprobs, SamplingSpec, SequenceOutput, TokenId
 
 PROTOCOL_VERSION: Final = 1
 PROTOCOL_HISTORY: Final = {
@@ -65,7 +60,6 @@ RequestId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 Subject = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", max_length=256)]
 Address = Annotated[str, Meta(pattern=r"^tcp://[A-Za-z0-9.:\[\]-]{1,200}:[0-9]{1,5}$")]
 CompatHash = Annotated[str, Meta(pattern=r"^[0-9a-f]{16,64}$")]
-TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
 PromptTokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 Count = Annotated[int, Meta(ge=0, le=2**53)]
@@ -128,16 +122,11 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-def _tag(name: str) -> dict:
-    return {
-        "tag": TAG_PREFIX + name,
-        "tag_field": "type",
-        "frozen": True,
-        "forbid_unknown_fields": False,
-    }
+class _Message(msgspec.Struct, frozen=True, tag_field="type", tag=lambda name: TAG_PREFIX + name):
+    """A bus message: its ``type`` tag is ``kvpush.v1.<class name>``."""
 
 
-class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):
+class RequestEvent(_Message):
     """gateway -> P and D in one publish on ``kvpush.v1.req.<prefill>.<decode>``."""
 
     transfer_id: TransferId
@@ -157,7 +146,7 @@ class RequestEvent(msgspec.Struct, **_tag("RequestEvent")):
     first_token_by: WorkerRole = WorkerRole.DECODE
 
 
-class BlocksAnnounced(msgspec.Struct, **_tag("BlocksAnnounced")):
+class BlocksAnnounced(_Message):
     """D -> P on ``kvpush.v1.blocks.<prefill>``: where to WRITE the prompt's KV.
 
     ``first_token`` is the number of prompt tokens D already holds (prefix hit, block
@@ -203,7 +192,7 @@ class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
     kv_cached: UnixNanos = 0  # D's prefix cache held the prompt: no transfer was asked
 
 
-class KvReady(msgspec.Struct, **_tag("KvReady")):
+class KvReady(_Message):
     """P -> D on ``kvpush.v1.kv.ready.<decode>`` in pull mode: P's blocks hold the KV; READ them."""
 
     transfer_id: TransferId
@@ -226,7 +215,7 @@ class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
     done_ms: Millis
 
 
-class KvPushed(msgspec.Struct, **_tag("KvPushed")):
+class KvPushed(_Message):
     """P -> D (and observers) on ``kvpush.v1.kv.done.<decode>`` after the last WRITE is done."""
 
     transfer_id: TransferId
@@ -242,7 +231,7 @@ class KvPushed(msgspec.Struct, **_tag("KvPushed")):
     tp: TpSize = 1
 
 
-class KvPushing(msgspec.Struct, **_tag("KvPushing")):
+class KvPushing(_Message):
     """P -> D on ``kvpush.v1.kv.done.<decode>``: P's WRITEs of a transfer started, so its end
     is near. D then polls for the completion notice at full rate (before: slowly, so a decode
     engine waiting for a long prefill costs almost no CPU); a lost hint costs latency only."""
@@ -254,7 +243,7 @@ class KvPushing(msgspec.Struct, **_tag("KvPushing")):
     tp: TpSize = 1
 
 
-class FirstToken(msgspec.Struct, **_tag("FirstToken")):
+class FirstToken(_Message):
     """P -> D on ``kvpush.v1.kv.done.<decode>`` for a RequestEvent with ``first_token_by``
     prefill: the answer's first token, sampled by P's prefill with the request's sampling. D
     reports it as its own first output and continues the answer from it. ``finish_reason`` and
@@ -270,7 +259,7 @@ class FirstToken(msgspec.Struct, **_tag("FirstToken")):
     stop_reason: TokenId | Annotated[str, Meta(max_length=256)] | None = None
 
 
-class KvFailed(msgspec.Struct, **_tag("KvFailed")):
+class KvFailed(_Message):
     """P -> D (and observers) on ``kvpush.v1.kv.failed.<decode>``: D must fall back now."""
 
     transfer_id: TransferId
@@ -287,7 +276,7 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     completion_tokens: Count
 
 
-class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
+class TokenChunk(_Message):
     """D -> gateway on ``kvpush.v1.tokens.<gateway>``; ``seq`` orders chunks of one request."""
 
     request_id: RequestId
@@ -312,7 +301,7 @@ class TokenChunk(msgspec.Struct, **_tag("TokenChunk")):
     stop_reason: int | Annotated[str, Meta(max_length=256)] | None = None
 
 
-class Abort(msgspec.Struct, **_tag("Abort")):
+class Abort(_Message):
     """gateway -> P and D (or P -> D) on ``kvpush.v1.abort.<worker>``."""
 
     transfer_id: TransferId
@@ -322,7 +311,7 @@ class Abort(msgspec.Struct, **_tag("Abort")):
     tp: TpSize = 1
 
 
-class AbortAck(msgspec.Struct, **_tag("AbortAck")):
+class AbortAck(_Message):
     """P -> D on ``kvpush.v1.abort.<decode>``: no WRITE of this transfer is in flight or to come."""
 
     transfer_id: TransferId
@@ -331,7 +320,7 @@ class AbortAck(msgspec.Struct, **_tag("AbortAck")):
     tp: TpSize = 1
 
 
-class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
+class WorkerHeartbeat(_Message):
     """workers -> gateway and observers on ``kvpush.v1.heartbeat.<role>.<worker>``."""
 
     worker_id: WorkerId
@@ -349,16 +338,5 @@ class WorkerHeartbeat(msgspec.Struct, **_tag("WorkerHeartbeat")):
     sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
 
 
-ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = (
-    RequestEvent,
-    BlocksAnnounced,
-    KvReady,
-    KvPushed,
-    KvPushing,
-    FirstToken,
-    KvFailed,
-    TokenChunk,
-    Abort,
-    AbortAck,
-    WorkerHeartbeat,
-)
+# every bus message, in the order defined above
+ALL_MESSAGES: Final[tuple[type[msgspec.Struct], ...]] = tuple(_Message.__subclasses__())

@@ -100,18 +100,6 @@ def heartbeats(role: WorkerRole | None = None) -> str:
     return f"{ROOT}.heartbeat.{WorkerRole(role).value if role else '*'}.*"
 
 
-_ARITY: Final = {
-    SubjectKind.REQUEST: 2,
-    SubjectKind.BLOCKS: 1,
-    SubjectKind.KV_READY: 1,
-    SubjectKind.KV_DONE: 1,
-    SubjectKind.KV_FAILED: 1,
-    SubjectKind.TOKENS: 1,
-    SubjectKind.ABORT: 1,
-    SubjectKind.HEARTBEAT: 2,
-}
-
-
 def parse(subject: str) -> ParsedSubject:
     """Split a concrete v1 subject into its kind and id tokens; raise SubjectError otherwise."""
     parts = subject.split(".")
@@ -126,15 +114,11 @@ def parse(subject: str) -> ParsedSubject:
         kind = SubjectKind(name)
     except ValueError:
         raise SubjectError(f"unknown subject kind {name!r} in {subject[:120]!r}") from None
-    if len(ids) != _ARITY[kind]:
-        raise SubjectError(f"subject {subject[:120]!r} needs {_ARITY[kind]} id token(s)")
-    if kind is SubjectKind.HEARTBEAT:
-        try:
-            WorkerRole(ids[0])
-        except ValueError:
-            raise SubjectError(f"unknown role {ids[0]!r} in {subject[:120]!r}") from None
-        check_id(ids[1])
-    else:
-        for token in ids:
-            check_id(token)
+    arity = 2 if kind in (SubjectKind.REQUEST, SubjectKind.HEARTBEAT) else 1
+    if len(ids) != arity:
+        raise SubjectError(f"subject {subject[:120]!r} needs {arity} id token(s)")
+    if kind is SubjectKind.HEARTBEAT and ids[0] not in {role.value for role in WorkerRole}:
+        raise SubjectError(f"unknown role {ids[0]!r} in {subject[:120]!r}")
+    for token in ids:
+        check_id(token)
     return ParsedSubject(kind, tuple(ids))

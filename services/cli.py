@@ -11,11 +11,12 @@ Threading model: runs on the main thread; commands that serve start their own as
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 EPILOG = """\
@@ -50,27 +51,28 @@ def _progress(message: str) -> None:
     print(f"[kvpush model] {message}", file=sys.stderr, flush=True)
 
 
+# the recipe fields a preset's flags override (``--kv-heads`` sets ``kv_heads``)
+RECIPE_FLAGS = (
+    ("seed", "random seed (default 0)"),
+    ("layers", "decoder layers"),
+    ("hidden", "hidden size"),
+    ("intermediate", "MLP size"),
+    ("heads", "attention heads"),
+    ("kv_heads", "KV heads (GQA)"),
+    ("vocab_size", "BPE vocabulary size"),
+    ("max_context", "context length"),
+)
+
+
 def _cmd_model_build(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvpush.services import models
 
-    recipe = models.RECIPES[args.preset]
     overrides = {
-        key: getattr(args, key)
-        for key in (
-            "layers",
-            "hidden",
-            "intermediate",
-            "heads",
-            "kv_heads",
-            "vocab_size",
-            "max_context",
-            "seed",
-        )
-        if getattr(args, key, None) is not None
+        key: getattr(args, key) for key, _ in RECIPE_FLAGS if getattr(args, key) is not None
     }
-    recipe = dataclasses.replace(recipe, **overrides)
+    recipe = dataclasses.replace(models.RECIPES[args.preset], **overrides)
     started = time.monotonic()
     path = models.build_model(recipe, Path(args.out), progress=_progress)
     print(f"{recipe.name}: {path} ({time.monotonic() - started:.1f}s)")
@@ -101,9 +103,6 @@ def _cmd_nats(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_HELP = "benchmarks (results go under docs/benchmarks/; kvpush bench --help lists them)"
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     """``kvpush bench ...``: the only place the runtime imports kvpush.benchmarks, here, when
     ``bench`` is the command (tests/unit/test_import_graph.py holds it to this function)."""
@@ -121,46 +120,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_cli.main(args.bench_argv)
 
 
-def _cmd_prefill(args: argparse.Namespace) -> int:
-    from kvpush.services.workers import prefill
-
-    return prefill.main(args)
-
-
-def _cmd_decode(args: argparse.Namespace) -> int:
-    from kvpush.services.workers import decode
-
-    return decode.main(args)
-
-
-def _cmd_up(args: argparse.Namespace) -> int:
-    from kvpush.services import up
-
-    return up.main(args)
-
-
-def _add_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    text = "OpenAI-compatible HTTP gateway"
-    try:
-        from kvpush.services.gateway import app as gateway_app
-        from kvpush.services.gateway import config as gateway_config
-    except ImportError as exc:  # a build without the gateway
-        missing = str(exc)
-
-        def unavailable(_args: argparse.Namespace) -> int:
-            print(f"`kvpush gateway` is unavailable: {missing}", file=sys.stderr)
-            return 2
-
-        sub.add_parser("gateway", help=f"{text} (unavailable)").set_defaults(func=unavailable)
-        return
-    parser = sub.add_parser(
-        "gateway",
-        help=text,
-        description=gateway_app.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    gateway_config.add_arguments(parser)
-    parser.set_defaults(func=gateway_app.main)
+def _main_of(module: str) -> Callable[[argparse.Namespace], int]:
+    """A command that runs ``module.main(args)``, importing ``module`` only then."""
+    return lambda args: importlib.import_module(module).main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,14 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = model_sub.add_parser(preset, help=text, description=text + ". Same seed, same files.")
         p.add_argument("--out", required=True, metavar="DIR", help="model folder to write")
-        p.add_argument("--seed", type=int, help="random seed (default 0)")
-        p.add_argument("--layers", type=int, help="decoder layers")
-        p.add_argument("--hidden", type=int, help="hidden size")
-        p.add_argument("--intermediate", type=int, help="MLP size")
-        p.add_argument("--heads", type=int, help="attention heads")
-        p.add_argument("--kv-heads", dest="kv_heads", type=int, help="KV heads (GQA)")
-        p.add_argument("--vocab-size", dest="vocab_size", type=int, help="BPE vocabulary size")
-        p.add_argument("--max-context", dest="max_context", type=int, help="context length")
+        for key, text in RECIPE_FLAGS:
+            p.add_argument("--" + key.replace("_", "-"), type=int, help=text)
         p.set_defaults(func=_cmd_model_build, preset=preset)
     gen = model_sub.add_parser("generate", help="greedy generation with vLLM (CPU, in-process)")
     gen.add_argument("model_dir", metavar="DIR")
@@ -222,29 +178,38 @@ def build_parser() -> argparse.ArgumentParser:
     natsd.set_defaults(func=_cmd_nats)
 
     # everything after `bench` goes to kvpush.benchmarks.cli unparsed (its own --help included)
-    bench = sub.add_parser("bench", help=BENCH_HELP, add_help=False, prefix_chars="\0")
+    bench_help = "benchmarks (results go under docs/benchmarks/; kvpush bench --help lists them)"
+    bench = sub.add_parser("bench", help=bench_help, add_help=False, prefix_chars="\0")
     bench.add_argument("bench_argv", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
     from kvpush.services import up, up_config
+    from kvpush.services.gateway import app as gateway_app
+    from kvpush.services.gateway import config as gateway_config
+    from kvpush.services.telemetry import ttft
     from kvpush.services.workers import config as worker_config
 
-    up_config.add_arguments(
-        sub.add_parser(
+    for name, module, add_arguments, text in (
+        (
             "up",
-            help="embedded default stack: nats-server, tiny model, prefill + decode, gateway",
-            description=up.__doc__,
+            up,
+            up_config.add_arguments,
+            "embedded default stack: nats-server, tiny model, prefill + decode, gateway",
+        ),
+        ("gateway", gateway_app, gateway_config.add_arguments, "OpenAI-compatible HTTP gateway"),
+    ):
+        command = sub.add_parser(
+            name,
+            help=text,
+            description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-    )
-    sub.choices["up"].set_defaults(func=_cmd_up)
-    _add_gateway(sub)
-    from kvpush.services.telemetry import ttft
-
+        add_arguments(command)
+        command.set_defaults(func=module.main)
     ttft.add_parser(sub)
-    for role, func, text in (
-        ("prefill", _cmd_prefill, "prefill worker: computes prompts, pushes their KV"),
-        ("decode", _cmd_decode, "decode worker: receives KV, streams tokens to the gateway"),
+    for role, text in (
+        ("prefill", "prefill worker: computes prompts, pushes their KV"),
+        ("decode", "decode worker: receives KV, streams tokens to the gateway"),
     ):
         worker = sub.add_parser(
             role,
@@ -253,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
             "KVPUSH_* environment variables named in their help.",
         )
         worker_config.add_arguments(worker)
-        worker.set_defaults(func=func)
+        worker.set_defaults(func=_main_of(f"kvpush.services.workers.{role}"))
     return parser
 
 

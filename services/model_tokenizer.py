@@ -12,7 +12,6 @@ Threading model: everything runs in the caller's thread; training is kept to one
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -21,6 +20,7 @@ import string
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -91,21 +91,6 @@ def prose_lines(seed: int, sentences: int) -> Iterator[str]:
         yield line[:1].upper() + line[1:] + rng.choice(".....!?:;")
 
 
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of a block, then restore them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def train_tokenizer(vocab_size: int, max_context: int, seed: int) -> Any:
     """Byte-level BPE trained on `prose_lines`, wrapped as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -122,7 +107,8 @@ def train_tokenizer(vocab_size: int, max_context: int, seed: int) -> Any:
         show_progress=False,
     )
     sentences = max(20_000, vocab_size * 8)
-    with _env(TOKENIZERS_PARALLELISM="false"):  # one thread: no rayon pool, same merges
+    # one thread (no rayon pool): the same merges every time; the variable restored after
+    with mock.patch.dict(os.environ, TOKENIZERS_PARALLELISM="false"):
         bpe.train_from_iterator(prose_lines(seed, sentences), trainer=trainer)
     if bpe.get_vocab_size() != vocab_size:
         raise RuntimeError(

@@ -1,17 +1,11 @@
 """Local random-weight Llama models for tests, demos and benchmarks.
 
-This module owns everything about the models kvpush serves when no real checkpoint is given:
-
-- `ModelRecipe` and its presets: `TINY` (CI, `kvpush up`), `BENCH` (CPU benchmarks), and the
-  GPU benchmark shapes `LLAMA_8B` / `LLAMA_70B` (Llama-3 8B / 70B layer geometry with a small
-  local tokenizer; `weights=False`: config and tokenizer only, loaded with vLLM's
-  `load_format="dummy"`, random weights in GPU memory, no files).
-- `build_model`: writes a Hugging Face Llama directory that vLLM loads offline (config,
-  generation config, float32 safetensors, the byte-level BPE tokenizer of model_tokenizer.py)
-  plus a `kvpush-model.json` stamp. Builds are deterministic (same recipe -> byte-identical files),
-  idempotent (a matching stamp returns at once) and atomic (temp dir + rename).
-- `generate_greedy`: loads a model in an in-process vLLM engine and decodes greedily.
-- `default_model_cache_dir`: where `kvpush up` caches models.
+Owns `ModelRecipe` and its presets (`TINY`: CI and `kvpush up`; `BENCH`: CPU benchmarks;
+`LLAMA_8B` / `LLAMA_70B`: Llama-3 layer geometry for GPU benchmarks, config and tokenizer only,
+served with vLLM's `load_format="dummy"`), `build_model` (a Hugging Face Llama folder vLLM loads
+offline: config, float32 safetensors, the tokenizer of model_tokenizer.py, and a
+`kvpush-model.json` stamp; deterministic, idempotent and atomic), `generate_greedy` (an
+in-process vLLM engine) and `default_model_cache_dir` (where `kvpush up` caches models).
 
 Random weights argmax to special or whitespace tokens surprisingly often, which makes greedy
 output invisible; `build_model` zeroes the lm_head rows of every token that does not decode to
@@ -71,40 +65,31 @@ TINY = ModelRecipe(
     kv_heads=2,
     vocab_size=2048,
     max_context=4096,
-    seed=0,
 )
-BENCH = ModelRecipe(
-    "kvpush-bench",
+BENCH = dataclasses.replace(
+    TINY,
+    name="kvpush-bench",
     layers=8,
     hidden=512,
     intermediate=1536,
     heads=8,
     kv_heads=4,
     vocab_size=8192,
-    max_context=4096,
-    seed=0,
 )
-LLAMA_8B = ModelRecipe(
-    "kvpush-llama-8b-shape",
+# GPU shapes: Llama-3 geometry, the tiny model's tokenizer, bf16 weights vLLM makes up
+LLAMA_8B = dataclasses.replace(
+    TINY,
+    name="kvpush-llama-8b-shape",
     layers=32,
     hidden=4096,
     intermediate=14336,
     heads=32,
     kv_heads=8,
-    vocab_size=2048,
     max_context=16384,
     weights=False,
 )
-LLAMA_70B = ModelRecipe(
-    "kvpush-llama-70b-shape",
-    layers=80,
-    hidden=8192,
-    intermediate=28672,
-    heads=64,
-    kv_heads=8,
-    vocab_size=2048,
-    max_context=16384,
-    weights=False,
+LLAMA_70B = dataclasses.replace(
+    LLAMA_8B, name="kvpush-llama-70b-shape", layers=80, hidden=8192, intermediate=28672, heads=64
 )
 RECIPES = {"tiny": TINY, "bench": BENCH, "llama-8b": LLAMA_8B, "llama-70b": LLAMA_70B}
 
@@ -246,17 +231,15 @@ def _write_weights(recipe: ModelRecipe, tokenizer: Any, out: Path) -> None:
     from transformers import LlamaForCausalLM
 
     config, generation = hf_configs(recipe, tokenizer)
-    if not recipe.weights:  # a shape for load_format="dummy": bf16, nothing to initialise
+    if recipe.weights:
+        torch.manual_seed(recipe.seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        with torch.no_grad():
+            model.lm_head.weight[model_tokenizer.invisible_token_ids(tokenizer)] = 0.0
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:  # a shape for load_format="dummy": bf16, nothing to initialise
         config.dtype = "bfloat16"
-        config.save_pretrained(str(out))
-        generation.save_pretrained(str(out))
-        return
-    torch.manual_seed(recipe.seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight[model_tokenizer.invisible_token_ids(tokenizer)] = 0.0
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
     generation.save_pretrained(str(out))
 

@@ -52,13 +52,7 @@ class MpsDaemon:
         env = self.env()
         for folder in env.values():
             Path(folder).mkdir()
-        done = subprocess.run(
-            [self.control, "-d"],
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = self._run("-d")
         if done.returncode != 0:
             self._remove()
             detail = (done.stderr or done.stdout).strip()[-300:]
@@ -70,15 +64,15 @@ class MpsDaemon:
         if not self.folder:
             return
         with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            subprocess.run(
-                [self.control],
-                input="quit\n",
-                env={**os.environ, **self.env()},
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
+            self._run(stdin="quit\n")
         self._remove()
+
+    def _run(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """The control program, run as a client of this daemon."""
+        env = {**os.environ, **self.env()}
+        return subprocess.run(
+            [self.control, *args], input=stdin, env=env, capture_output=True, text=True, timeout=30
+        )
 
     def _remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

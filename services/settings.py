@@ -111,5 +111,4 @@ def _flag_parser(row: Setting) -> Callable[[str], Any]:
         except (TypeError, ValueError) as exc:
             raise argparse.ArgumentTypeError(f"invalid value {text!r} ({exc})") from None
 
-    parse.__name__ = row.name
     return parse

@@ -36,6 +36,7 @@ import aiohttp
 from kvpush.connector import Bus, BusConfig
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerHeartbeat
+from kvpush.services import up_config
 from kvpush.services.mps import MpsDaemon
 from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.settings import ConfigError
@@ -122,22 +123,9 @@ class Stack:
             gpu = gpus[n % len(gpus)] if cuda and gpus else None
             if gpu is not None:
                 argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share())]
-            for flag, value in (
-                ("--load-format", cfg.load_format),
-                ("--dtype", cfg.dtype),
-                ("--engine-core", cfg.engine_core),
-                ("--enforce-eager", cfg.enforce_eager),
-            ):
-                if value:
-                    argv += [flag, value]
-            for flag, limit in (
-                ("--max-inflight", cfg.max_inflight),
-                ("--max-num-seqs", cfg.max_num_seqs),
-            ):
-                if limit:
-                    argv += [flag, str(limit)]
-            if cfg.reasoning_parser:
-                argv += ["--reasoning-parser", cfg.reasoning_parser]
+            for key in up_config.PASSED_TO_WORKERS:
+                if getattr(cfg, key):
+                    argv += [up_config.WORKER[key].flags[0], str(getattr(cfg, key))]
             argv += [f"--engine-arg={flag}" for flag in cfg.engine_args_of(role)]
             metrics_port = free_port()  # vLLM's vllm:* engine metrics of this worker
             argv += ["--metrics-port", str(metrics_port)]
@@ -164,8 +152,7 @@ class Stack:
         """Start every child and return once the gateway answers ``/ready``."""
         cfg = self.config
         self._plan()
-        ready = asyncio.Event()
-        waiting = {w.name: w for w in self.workers}
+        waiting = {w.name: w for w in self.workers}  # until its first heartbeat
 
         async def on_heartbeat(subject: str, message: object) -> None:
             if isinstance(message, WorkerHeartbeat) and message.worker_id in waiting:
@@ -175,8 +162,6 @@ class Stack:
                     f"  {child.name} ready (cores {_cores(child.cores)}, "
                     f"{child.ready_s:.1f} s, {message.total_blocks} KV blocks)"
                 )
-                if not waiting:
-                    ready.set()
 
         bus = await Bus.connect(BusConfig.from_env(self.nats_url, "kvpush-up"))
         try:
@@ -198,7 +183,7 @@ class Stack:
                 child.start()
             started = time.monotonic()
             next_note = started + 15.0
-            while not ready.is_set():
+            while waiting:
                 busy = {c.gpu for c in self.workers if not c.gated and c.name in waiting}
                 for child in self.workers:
                     if child.gated and child.gpu not in busy:
@@ -216,8 +201,7 @@ class Stack:
                     doing = ", ".join(f"{n} ({c.phase()})" for n, c in waiting.items())
                     say(f"  still starting ({now - started:.0f} s): {doing}")
                     next_note = now + 15.0
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(ready.wait(), 0.2)
+                await asyncio.sleep(0.2)
         finally:
             await bus.close()
         await self._wait_gateway()
@@ -267,21 +251,19 @@ class Stack:
         cfg = self.config
         base = f"http://{cfg.host}:{cfg.port}"
         body = f'{{"model": "{self.model_name}", "prompt": "Hello", "max_tokens": 16}}'
-        return (
-            f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode.value}). Try:\n"
-            f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{body}'\n"
-            f"TTFT waterfalls of recent requests: {base}/dashboard   metrics: {base}/metrics\n"
-            + "engine metrics (vllm:*): "
-            + ", ".join(f"{w.name} {w.metrics_url}" for w in self.workers)
-            + "\n"
-            + (
-                f"Spans go to {cfg.trace_file}: `kvpush ttft {cfg.trace_file} --png w.png`\n"
-                if cfg.trace_file
-                else ""
+        lines = [
+            f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode.value}). Try:",
+            f"  curl -s {base}/v1/completions -H 'Content-Type: application/json' \\",
+            f"    -d '{body}'",
+            f"TTFT waterfalls of recent requests: {base}/dashboard   metrics: {base}/metrics",
+            "engine metrics (vllm:*): "
+            + ", ".join(f"{w.name} {w.metrics_url}" for w in self.workers),
+        ]
+        if cfg.trace_file:
+            lines.append(
+                f"Spans go to {cfg.trace_file}: `kvpush ttft {cfg.trace_file} --png w.png`"
             )
-            + "Ctrl-C stops everything."
-        )
+        return "\n".join([*lines, "Ctrl-C stops everything."])
 
     async def watch(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (0) or the gateway exits on its own (1). A worker that

@@ -10,24 +10,15 @@ Threading model: none of its own; called from ``up``'s asyncio loop (short file 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
+from kvpush.services.natsd import die_with_parent
 from kvpush.services.settings import ConfigError
 from kvpush.services.workers import config as worker_config
-
-PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls into it
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
 
 # what a worker's log says its engine is doing while it starts: (a line's text, the phase)
 ENGINE_PHASES = (
@@ -70,7 +61,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.started_at = time.monotonic()
 

@@ -20,7 +20,16 @@ from kvpush.services.workers.flags import SETTINGS as WORKER_SETTINGS
 
 GATEWAY = {row.name: row for row in GATEWAY_SETTINGS}  # rows up shares with the gateway
 WORKER = {row.name: row for row in WORKER_SETTINGS}  # ... and with every worker
-ENGINE_ARGS = ("engine_args", "prefill_engine_args", "decode_engine_args")
+# the worker settings up takes and hands to every worker as given
+PASSED_TO_WORKERS = (
+    "load_format",
+    "dtype",
+    "engine_core",
+    "enforce_eager",
+    "max_inflight",
+    "max_num_seqs",
+    "reasoning_parser",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +118,7 @@ class UpConfig:
     def from_args(cls, args: argparse.Namespace, env: Mapping[str, str] | None = None) -> UpConfig:
         """Flags > ``KVPUSH_*`` variables > defaults (``SETTINGS``)."""
         values = settings.read(SETTINGS, args, os.environ if env is None else env)
-        for name in ("vllm_args", *ENGINE_ARGS):
+        for name in ("vllm_args", "engine_args", "prefill_engine_args", "decode_engine_args"):
             if name in values:
                 values[name] = tuple(values[name])
         config = cls(**values)
@@ -139,9 +148,7 @@ SETTINGS: tuple[Setting, ...] = (
         "use this NATS server instead of starting one",
         metavar="URL",
     ),
-    Setting(
-        "model_dir", ("--model",), str, "model folder (default: the tiny model)", metavar="DIR"
-    ),
+    WORKER["model_dir"],
     Setting("prefill", ("--prefill",), int, "prefill workers (default 1)", "KVPUSH_UP_PREFILL"),
     Setting("decode", ("--decode",), int, "decode workers (default 1)", "KVPUSH_UP_DECODE"),
     Setting(
@@ -167,14 +174,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tensor-parallel ranks of the decode workers (default: --tp)",
         "KVPUSH_UP_DECODE_TP",
     ),
-    Setting(
-        "device",
-        ("--device",),
-        str,
-        "cpu or cuda for every worker (default auto: the installed vLLM's)",
-        "KVPUSH_DEVICE",
-        choices=("auto", "cpu", "cuda"),
-    ),
+    WORKER["device"],
     Setting(
         "gpus",
         ("--gpus",),
@@ -202,37 +202,8 @@ SETTINGS: tuple[Setting, ...] = (
         "KVPUSH_UP_MPS",
         choices=("on", "off"),
     ),
-    Setting(
-        "load_format",
-        ("--load-format",),
-        str,
-        "vLLM load format of every worker; dummy: random weights (`kvpush model llama-8b`)",
-        "KVPUSH_LOAD_FORMAT",
-    ),
-    Setting(
-        "dtype",
-        ("--dtype",),
-        str,
-        "weights and KV dtype (default auto: bfloat16 on cuda, float32 on cpu)",
-        "KVPUSH_DTYPE",
-        choices=("auto", "float32", "bfloat16", "float16"),
-    ),
-    *(WORKER[name] for name in ("engine_core", "enforce_eager")),
+    *(WORKER[name] for name in PASSED_TO_WORKERS),
     *(GATEWAY[name] for name in ("host", "port", "mode", "first_token")),
-    Setting(
-        "max_inflight",
-        ("--max-inflight",),
-        int,
-        "requests each worker accepts at once, batched or queued (default: the workers' 1024)",
-        "KVPUSH_WORKER_MAX_INFLIGHT",
-    ),
-    Setting(
-        "max_num_seqs",
-        ("--max-num-seqs",),
-        int,
-        "requests each engine batches in one step (default: the workers': vLLM's on cuda, 64"
-        " on cpu)",
-    ),
     GATEWAY["local_threshold"],
     GATEWAY["vllm_args"],
     WORKER["engine_args"],
@@ -248,23 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
         )
         for role in ("prefill", "decode")
     ),
-    Setting(
-        "reasoning_parser",
-        ("--reasoning-parser",),
-        str,
-        "vLLM's reasoning parser of the model (e.g. deepseek_r1, qwen3), given to the gateway's"
-        " serving layer (the answer's reasoning field) and every worker's engine (a grammar"
-        " starts after the reasoning), as `vllm serve --reasoning-parser` (default: none)",
-        metavar="NAME",
-    ),
-    Setting(
-        "trace_file",
-        ("--trace-file",),
-        str,
-        "every service appends its spans to PATH as JSON lines; then run "
-        "`kvpush ttft PATH --png waterfall.png` for the TTFT breakdown",
-        metavar="PATH",
-    ),
+    WORKER["trace_file"],
     Setting(
         "log_dir",
         ("--log-dir",),

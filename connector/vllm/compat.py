@@ -27,6 +27,7 @@ import logging
 from typing import Any
 
 from vllm import __version__ as VLLM_VERSION
+from vllm import __version_tuple__ as VLLM_VERSION_TUPLE
 
 log = logging.getLogger(__name__)
 SUPPORTED = ((0, 26), (0, 33))  # [low, high)
@@ -37,17 +38,10 @@ except ImportError:  # vLLM < 0.27: get_finished + load errors
     KVConnectorTransferResults = None
 
 
-def version_tuple(text: str) -> tuple[int, int]:
-    major, minor = ([*text.split("."), "0", "0"])[:2]
-    return int("".join(c for c in major if c.isdigit()) or 0), int(
-        "".join(c for c in minor if c.isdigit()) or 0
-    )
-
-
 def check_version() -> None:
     """Warn (once per connector) when this vLLM is outside the tested range."""
     low, high = SUPPORTED
-    if not low <= version_tuple(VLLM_VERSION) < high:
+    if not low <= tuple(VLLM_VERSION_TUPLE[:2]) < high:
         log.warning(
             "kvpush connector: vLLM %s is outside the supported range %d.%d <= v < %d.%d",
             VLLM_VERSION,

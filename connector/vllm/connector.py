@@ -57,11 +57,13 @@ class KVPushConnector(KVConnectorBase_V1):
         # OTEL_* down; in the worker's process this finds the provider already installed.
         configure_tracing_from_env(f"kvpush-{settings.role.value}")
         engine_id = str(transfer_config.engine_id)
-        self._scheduler: SchedulerHalf | None = None
-        self._worker: WorkerHalf | None = None
+        # what an in-process driver (kvpush.connector.EngineLink) and the worker extension of an
+        # engine-core process (engine_core.KVPushWorkerExtension) read: one of them is None
+        self.scheduler_half: SchedulerHalf | None = None
+        self.worker_half: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             max_model_len = vllm_config.model_config.max_model_len
-            self._scheduler = SchedulerHalf(settings, block_size, engine_id, max_model_len)
+            self.scheduler_half = SchedulerHalf(settings, block_size, engine_id, max_model_len)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -70,7 +72,7 @@ class KVPushConnector(KVConnectorBase_V1):
 
             model = vllm_config.model_config
             model_id = settings.model_id or str(model.served_model_name or model.model)
-            self._worker = WorkerHalf(
+            self.worker_half = WorkerHalf(
                 settings,
                 model_id,
                 str(model.dtype),
@@ -85,27 +87,15 @@ class KVPushConnector(KVConnectorBase_V1):
         """The connector's settings from ``kv_connector_extra_config`` (unknown keys refused)."""
         return ConnectorSettings.from_extra_config(extra)
 
-    # ---- what an in-process driver reads (kvpush.connector.EngineLink) ---------------------
-    @property
-    def scheduler_half(self) -> SchedulerHalf | None:
-        """The scheduler role's half: the driver's contact point (None for the worker role)."""
-        return self._scheduler
-
-    @property
-    def worker_half(self) -> WorkerHalf | None:
-        """This rank's worker half (None for the scheduler role): what the worker extension
-        of an engine-core process reads (``engine_core.KVPushWorkerExtension``)."""
-        return self._worker
-
     # ---- worker role ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        assert self.worker_half is not None
+        self.worker_half.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, KVPushMetadata):
-            self._worker.bind(connector_metadata)
+        if self.worker_half is not None and isinstance(connector_metadata, KVPushMetadata):
+            self.worker_half.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # receives are driven by the transport, not by the forward pass
@@ -116,29 +106,24 @@ class KVPushConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        if self._worker is not None:
-            self._worker.save_kv_layer(layer_name)
+        if self.worker_half is not None:
+            self.worker_half.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         # pushes are asynchronous (their source blocks stay held: delay_free); on a GPU this
         # waits until the step's last layer ran and was handed to the push
-        if self._worker is not None:
-            self._worker.wait_for_save()
+        if self.worker_half is not None:
+            self.worker_half.wait_for_save()
 
     def get_handshake_metadata(self) -> KVPushHandshake | None:
         """This rank's identity for the scheduler half (vLLM collects it after registration)."""
-        info = self._worker.runtime.info if self._worker is not None else None
+        info = self.worker_half.runtime.info if self.worker_half is not None else None
         return KVPushHandshake(info) if info is not None else None
 
     def build_connector_worker_meta(self) -> KVPushWorkerMeta | None:
         """This rank's timing marks of the step and P's first tokens of the receives it
         reported finished, for the scheduler half."""
-        if self._worker is None:
-            return None
-        marks, tokens = self._worker.take_marks(), self._worker.take_first_tokens()
-        if not (marks or tokens):
-            return None
-        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens)
+        return self.worker_half.worker_meta() if self.worker_half is not None else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM 0.26's per-step question; a failed receive is finished with invalid blocks."""
@@ -158,48 +143,44 @@ class KVPushConnector(KVConnectorBase_V1):
     def _results(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str], set[str], dict[str, list[int]]]:
-        if self._worker is None:
+        if self.worker_half is None:
             return set(), set(), {}
-        return self._worker.transfer_results(finished_req_ids)
+        return self.worker_half.transfer_results(finished_req_ids)
 
     # ---- scheduler role -------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert self.scheduler_half is not None
+        return self.scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        assert self.scheduler_half is not None
+        self.scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        assert self.scheduler_half is not None
+        return self.scheduler_half.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+        if self.scheduler_half is not None:
+            self.scheduler_half.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        assert self.scheduler_half is not None
+        return self.scheduler_half.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        if self._scheduler is not None:
-            self._scheduler.set_handshakes(metadata)
+        if self.scheduler_half is not None:
+            self.scheduler_half.set_handshakes(metadata)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+        return self.scheduler_half is not None and self.scheduler_half.has_pending_push_work()
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None
+        if self.worker_half is not None:
+            self.worker_half.shutdown()
+        if self.scheduler_half is not None:
+            self.scheduler_half.shutdown()

@@ -17,7 +17,7 @@ probes of silent peers are ``probes.ProbingMixin``'s.
 
 The per-transfer object and its states are ``incoming.Incoming``'s.
 
-Threading model: ``on_bus``/``on_pushed`` run on the bus thread, ``on_work``/``collect`` on
+Threading model: ``on_bus`` runs on the bus thread, ``on_work``/``collect`` on
 the engine thread; all take ``self.lock``. The liveness probe of a silent peer runs on a
 short-lived thread and reports back through ``self.lock``.
 """
@@ -66,35 +66,26 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         self.block_size = block_size
         self._probing: set[str] = set()  # suspected peers being probed
         self._first_tokens: dict[str, PrefillToken] = {}  # by request: reported this step
-        me = settings.worker_id
-        bus.subscribe(subjects.kv_ready(me), self.on_bus)
-        bus.subscribe(subjects.kv_failed(me), self.on_bus)
-        bus.subscribe(subjects.abort(me), self.on_bus)
-        bus.subscribe(subjects.kv_done(me), self.on_pushed)
+        for subject in (subjects.kv_ready, subjects.kv_failed, subjects.abort, subjects.kv_done):
+            bus.subscribe(subject(settings.worker_id), self.on_bus)
 
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
-        if not isinstance(message, (KvReady, KvFailed, AbortAck)) or not self.mine(message):
+        """KvReady, KvFailed, AbortAck: for the receive. KvPushing: P's WRITEs started, poll for
+        the notice at full rate now. KvPushed is P's report (the NIXL notice already completed
+        the receive): its instants go to the marks table for the request's TokenChunk.
+        FirstToken: the token P sampled, which a receive that asked for it waits for (every
+        rank: P's service sends it once)."""
+        if isinstance(message, FirstToken):
+            self._take(message)
+        elif not self.mine(message):
             return
-        with self.lock:
-            if not self._deliver(message.transfer_id, message):
-                return
-        self.runtime.notify()
-
-    def on_pushed(self, subject: str, message: object) -> None:
-        """KvPushing: P's WRITEs started, poll for the notice at full rate now. KvPushed is
-        P's report (the NIXL notice already completed the receive): its instants go to the
-        marks table for the request's TokenChunk. FirstToken: the token P sampled, which a
-        receive that asked for it waits for (every rank: P's service sends it once)."""
-        if isinstance(message, KvPushing) and self.mine(message):
+        elif isinstance(message, (KvReady, KvFailed, AbortAck)):
+            self._take(message)
+        elif isinstance(message, KvPushing):
             self.transport.hurry(message.transfer_id)
-        elif isinstance(message, KvPushed) and self.mine(message):
+        elif isinstance(message, KvPushed):
             self.runtime.marks.record_timing(message.transfer_id, message.timing)
-        elif isinstance(message, FirstToken):
-            with self.lock:
-                if not self._deliver(message.transfer_id, message):
-                    return
-            self.runtime.notify()
 
     def _apply(self, inc: Incoming, message: KvReady | KvFailed | AbortAck | FirstToken) -> None:
         tid = inc.work.params.transfer_id
@@ -309,13 +300,10 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         legs = inc.legs
         if inc.settled or not legs.quiet or not legs.by_rank:
             return
-        aborting = inc.state is IncomingState.ABORTING
-        if not (legs.complete or aborting):
-            return
-        state = legs.outcome()
-        if aborting and not legs.complete:
-            state = TransferState.ABORTED
-        self._settle(inc, state, legs.summary())
+        if legs.complete:
+            self._settle(inc, legs.outcome(), legs.summary())
+        elif inc.state is IncomingState.ABORTING:  # the legs still to come never will
+            self._settle(inc, TransferState.ABORTED, legs.summary())
 
     def collect(self, events: list[TransferEvent]) -> tuple[set[str], dict[str, list[int]]]:
         """(received request ids, failed request ids -> the blocks they were to receive into),

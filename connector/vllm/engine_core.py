@@ -125,7 +125,6 @@ class _PrefillTokens:
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
         from vllm.v1.request import RequestStatus
 
-        reasons = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
         ending: dict[str, list[str]] = {}
         for req_id, token in tokens:
             request = self.requests.get(req_id)
@@ -139,22 +138,19 @@ class _PrefillTokens:
             if (params := read_params(request.kv_transfer_params)) is not None:
                 # the marks so far ride on the first output too: an answer that a stop string
                 # ends is aborted by the client's detokenizer, and its end carries none
-                take = self._half.take_timing if ends else self._half.peek_timing
-                timing = take(params.transfer_id)
+                timing = self._half.take_timing(params.transfer_id, keep=not ends)
                 kv_params = {TIMING_KEY: msgspec.to_builtins(timing)} if timing else None
             output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=[token.token_id],
-                finish_reason=reasons[token.finish_reason] if ends else None,
+                finish_reason=FinishReason[token.finish_reason.upper()] if ends else None,
                 # a stop string is the detokenizer's to find; a stop token id is the engine's
                 stop_reason=token.stop_reason if ends else None,
                 kv_transfer_params=kv_params,
                 trace_headers=request.trace_headers,
                 prefill_stats=stats,
             )
-            batch = outputs.get(request.client_index)
-            if batch is None:
-                batch = outputs[request.client_index] = EngineCoreOutputs()
+            batch = outputs.setdefault(request.client_index, EngineCoreOutputs())
             batch.outputs.insert(0, output)  # ahead of anything later of the same request
             if ends:
                 ending.setdefault(FINISHED[token.finish_reason or ""], []).append(req_id)
@@ -210,5 +206,4 @@ class KVPushWorkerExtension:
         """The peer at ``address`` may be gone: the decode side probes it."""
         half = self._kvpush_half()
         if half is not None:
-            half.runtime.suspect_peer(address)
-            half.runtime.notify()
+            half.runtime.suspect_peer(address)  # which asks for a step

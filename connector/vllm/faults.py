@@ -45,7 +45,7 @@ class SlowPrefillConnector(KVPushConnector):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        prefill = self._worker.prefill if self._worker is not None else None
+        prefill = self.worker_half.prefill if self.worker_half is not None else None
         if self.layer_delay_s and prefill is not None and prefill.completing:
             time.sleep(self.layer_delay_s)
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)

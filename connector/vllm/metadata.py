@@ -38,12 +38,10 @@ class KVPushMetadata(KVConnectorMetadata):
 
 class KVPushWorkerMeta(KVConnectorWorkerMetadata):
     def __init__(
-        self,
-        marks: dict[str, list[Timing]],
-        first_tokens: dict[str, PrefillToken] | None = None,
+        self, marks: dict[str, list[Timing]], first_tokens: dict[str, PrefillToken]
     ) -> None:
         self.marks = marks  # transfer id -> the instants each rank learned
-        self.first_tokens = first_tokens or {}  # request id -> the first token P sampled
+        self.first_tokens = first_tokens  # request id -> the first token P sampled
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         if isinstance(other, KVPushWorkerMeta):

@@ -103,12 +103,11 @@ def outcome_message(
     detail: str,
     event: TransferEvent | None,
     prefill_id: str,
-    rank: int,
-    tp: int,
 ) -> tuple[str, BusMessage] | None:
-    """(subject, message) P's rank ``rank`` of ``tp`` publishes for a settled transfer: KvPushed
+    """(subject, message) P's rank (``out.legs.rank``) publishes for a settled transfer: KvPushed
     (push done), AbortAck, KvFailed; None for a finished pull (D's READ notice said it all)."""
     p, tid = out.params, out.params.transfer_id
+    rank, tp = out.legs.rank.index, out.legs.rank.size
     if state is TransferState.DONE:
         if p.mode is not TransferMode.PUSH or event is None:
             return None

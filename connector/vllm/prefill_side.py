@@ -25,7 +25,7 @@ import logging
 import time
 
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
-from kvpush.connector.params import ConnectorSettings, PrefillWork, TransferParams
+from kvpush.connector.params import ConnectorSettings, PrefillWork
 from kvpush.connector.peering import TpMismatch
 from kvpush.connector.tracing import emit_span, now_ns, trace_parent
 from kvpush.connector.transfer import TransferEvent, TransferState
@@ -38,9 +38,8 @@ from kvpush.connector.vllm.outgoing import (
     span_attrs,
 )
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
-from kvpush.connector.vllm.side import Leg, Legs, Rank, SideBase
+from kvpush.connector.vllm.side import Legs, Rank, SideBase
 from kvpush.schemas import subjects
-from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
     Abort,
     BlocksAnnounced,
@@ -74,13 +73,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
 
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
-        if not isinstance(message, (BlocksAnnounced, Abort)) or not self.mine(message):
-            return
-        with self.lock:
-            if not self._deliver(message.transfer_id, message):
-                return
-        # an Abort or a refused announcement may have settled a transfer: only a step reports it
-        self.runtime.notify()
+        if isinstance(message, (BlocksAnnounced, Abort)) and self.mine(message):
+            self._take(message)
 
     def _apply(self, out: Outgoing, message: BlocksAnnounced | Abort) -> None:
         if isinstance(message, Abort):
@@ -152,7 +146,11 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     def _start_leg(self, out: Outgoing, ann: BlocksAnnounced) -> None:
         tid = out.params.transfer_id
         if ann.compat_hash != self.transport.compat_hash:  # refused before any WRITE
-            self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, self._incompatible(ann))
+            detail = (
+                f"decode's compatibility hash {ann.compat_hash} is not ours"
+                f" ({self.transport.compat_hash}): another model, dtype, block size or layout"
+            )
+            self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, detail)
             return
         first = ann.first_token // self.block_size
         last = -(-out.num_tokens // self.block_size)
@@ -204,12 +202,6 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self.transport.push_layers(leg.transport_id, sorted(out.computed))
         self._maybe_finish(out)
 
-    def _incompatible(self, ann: BlocksAnnounced) -> str:
-        return (
-            f"decode's compatibility hash {ann.compat_hash} is not ours"
-            f" ({self.transport.compat_hash}): another model, dtype, block size or layout"
-        )
-
     def _stop(self, out: Outgoing, state: TransferState, reason: FailReason, detail: str) -> None:
         """Start no further leg; abort the started ones if ``state`` is ABORTED (a failure
         lets them finish: their D ranks may use what landed). Settles once they are quiet."""
@@ -233,16 +225,13 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             out.compute_end_ns = now_ns()
         if out.state is OutgoingState.STREAMING and len(out.computed) == self.num_layers:
             for leg in out.legs.by_rank.values():
-                self._finish_leg(leg)
+                if not leg.finished:
+                    leg.finished = True
+                    self.transport.finish(leg.transport_id)
             if out.legs.complete or out.stopping is not None:
                 out.advance(OutgoingState.POSTED)
         elif out.params.mode is TransferMode.PULL and out.state is OutgoingState.WAITING:
             self._maybe_start(out)
-
-    def _finish_leg(self, leg: Leg) -> None:
-        if not leg.finished:
-            leg.finished = True
-            self.transport.finish(leg.transport_id)
 
     def _maybe_settle(self, out: Outgoing) -> None:
         """Push: settle once every leg that will ever run is quiesced."""
@@ -264,8 +253,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         self.transport.expect(tid, remaining)
         self.transport.hurry(tid)  # D READs now: its notice frees our blocks
         out.advance(OutgoingState.POSTED)
-        self._publish(
-            out.params,
+        self.bus.publish(
             subjects.kv_ready(out.params.decode_id),
             KvReady(
                 transfer_id=tid,
@@ -279,6 +267,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 rank=self.rank.index,
                 tp=self.rank.size,
             ),
+            trace_parent(out.params.traceparent),
         )
         emit_span("kv.ready", out.params.traceparent, out.compute_end_ns, now_ns(), span_attrs(out))
 
@@ -289,26 +278,18 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self._stop(out, TransferState.ABORTED, FailReason.ABORTED, detail)
         elif out.state is not OutgoingState.WAITING:
             self.transport.abort(out.params.transfer_id, detail)  # ack once quiesced
-            self._release_read_blocks(out)
+            # pull: D only READs our blocks, so nothing can land in them; once the transfer is
+            # over (aborted, or D never came to read in time) they may go without D's notice.
+            # With two D ranks reading (D's TP twice ours) one may still read when the other
+            # failed: it may then read reused blocks, but D recomputes the request (vLLM treats
+            # the failed rank's blocks as invalid for the whole request): no wrong token follows
+            self.transport.acknowledged(out.params.transfer_id)
         else:
             self._settle(out, TransferState.ABORTED)
 
-    def _release_read_blocks(self, out: Outgoing) -> None:
-        """Pull: D only READs our blocks, so nothing can land in them; once the transfer is over
-        (aborted, or D never came to read in time) they may go without D's notice. With two D
-        ranks reading (D's TP twice ours) one may still be reading when the other failed: what
-        it reads may then be reused blocks, but D recomputes the request (vLLM treats the
-        failed rank's blocks as invalid for the whole request), so no wrong token follows."""
-        self.transport.acknowledged(out.params.transfer_id)
-
     def _fail(self, out: Outgoing, reason: FailReason, detail: str) -> None:
-        log.warning(
-            "transfer %s (request %s) failed: %s %s",
-            out.params.transfer_id,
-            out.req_id,
-            reason.value,
-            detail,
-        )
+        tid = out.params.transfer_id
+        log.warning("transfer %s (request %s) failed: %s %s", tid, out.req_id, reason.value, detail)
         self._settle(out, TransferState.FAILED, reason, detail)
 
     def _settle(
@@ -324,24 +305,12 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             return
         out.advance(OutgoingState.SETTLED, state)
         settled_ns = now_ns()
-        said = outcome_message(
-            out,
-            state,
-            reason,
-            detail,
-            event,
-            self.settings.worker_id,
-            self.rank.index,
-            self.rank.size,
-        )
+        said = outcome_message(out, state, reason, detail, event, self.settings.worker_id)
         if said is not None:
-            self._publish(out.params, *said)
+            self.bus.publish(*said, trace_parent(out.params.traceparent))
         if said is not None and state is TransferState.DONE:
             emit_span("kv.push.done", out.params.traceparent, settled_ns, now_ns(), span_attrs(out))
         emit_settled_spans(out, state, event, detail)
-
-    def _publish(self, params: TransferParams, subject: str, message: BusMessage) -> None:
-        self.bus.publish(subject, message, trace_parent(params.traceparent))
 
     def collect(self, finished_req_ids: set[str], events: list[TransferEvent]) -> set[str]:
         """Apply transport events and finished requests; return req ids whose blocks may go."""
@@ -351,8 +320,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 if out is None:
                     continue
                 if out.params.mode is TransferMode.PULL:
-                    if not event.quiesced:
-                        self._release_read_blocks(out)
+                    if not event.quiesced:  # over without D's notice: see ``_abort``
+                        self.transport.acknowledged(out.params.transfer_id)
                     else:
                         self._settle(out, event.state, event.reason, event.detail, event)
                     continue

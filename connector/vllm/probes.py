@@ -55,28 +55,32 @@ class ProbingMixin:
             return True
         return True
 
-    def _probe(self, inc: Incoming, addresses: list[str]) -> None:
-        """P never acknowledged: a P rank whose side channel is gone is dead and nothing of it
-        can land (each writing rank is probed: the target is quiesced when all are)."""
+    def _probe(self, addresses: list[str], inc: Incoming | None = None) -> None:
+        """Off the engine thread: a P rank whose side channel is gone is dead and nothing of it
+        can land, so its transfers quiesce (``peer_lost``) and a pull that got no KvReady from
+        it (nothing posted) fails. ``inc``: the receive whose abort went unanswered (each rank
+        it depends on is probed; while one answers, its ack is waited for again)."""
         dead = [address for address in addresses if not self._peer_alive(address)]
         with self.lock:
-            inc.probing = False
+            if inc is None:
+                self._probing.difference_update(addresses)
             for address in dead:
-                log.warning(
-                    "prefill at %s is gone: releasing transfer %s",
-                    address,
-                    inc.work.params.transfer_id,
-                )
+                log.warning("prefill at %s is gone: its transfers fail now", address)
                 self.transport.peer_lost(address)
-            if len(dead) < len(addresses):
-                inc.abort_sent_at = time.monotonic()  # alive: wait for its ack again
-                self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
+                for waiting in self._by_tid.values():
+                    if address in waiting.peers and waiting.state is IncomingState.WAITING:
+                        self._settle(waiting, TransferState.FAILED)
+            if inc is not None:
+                inc.probing = False
+                if len(dead) < len(addresses):
+                    inc.abort_sent_at = time.monotonic()
+                    self.runtime.wake_at(inc.abort_sent_at + self.settings.abort_ack_timeout_s)
         self.runtime.notify()
 
     def _probe_later(self, inc: Incoming) -> None:
         """Probe every P rank ``inc`` depends on, off the engine thread."""
         inc.probing = True
-        threading.Thread(target=self._probe, args=(inc, inc.peers), daemon=True).start()
+        threading.Thread(target=self._probe, args=(inc.peers, inc), daemon=True).start()
 
     def _probe_suspects(self) -> None:
         """Probe each suspected peer we receive from, once at a time (off the engine thread)."""
@@ -86,16 +90,4 @@ class ProbingMixin:
             ):
                 continue
             self._probing.add(address)
-            threading.Thread(target=self._probe_address, args=(address,), daemon=True).start()
-
-    def _probe_address(self, address: str) -> None:
-        alive = self._peer_alive(address)
-        with self.lock:
-            self._probing.discard(address)
-            if not alive:
-                log.warning("prefill at %s is gone (lease ended): its transfers fail now", address)
-                self.transport.peer_lost(address)
-                for inc in self._by_tid.values():  # pull without KvReady yet: nothing posted
-                    if address in inc.peers and inc.state is IncomingState.WAITING:
-                        self._settle(inc, TransferState.FAILED)
-        self.runtime.notify()
+            threading.Thread(target=self._probe, args=([address],), daemon=True).start()

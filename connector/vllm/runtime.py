@@ -38,9 +38,9 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import msgspec
 from opentelemetry import context as otel_context
@@ -72,10 +72,9 @@ class TimingMarks:
     """``Timing`` instants per transfer id, bounded (oldest dropped first); first value wins,
     but for the end of a transfer (``LATEST_WINS``), where the last rank's counts."""
 
-    def __init__(self, limit: int = MAX_MARKS) -> None:
-        self.limit = limit
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._marks: BoundedDict[str, dict[str, int]] = BoundedDict(limit)
+        self._marks: BoundedDict[str, dict[str, int]] = BoundedDict(MAX_MARKS)
 
     def record(self, transfer_id: str, **instants: int) -> None:
         """Remember ``Timing`` instants of a transfer (zeros ignored)."""
@@ -102,17 +101,12 @@ class TimingMarks:
             self._marks.clear()
         return {tid: Timing(**entry) for tid, entry in entries if entry}
 
-    def peek(self, transfer_id: str) -> Timing | None:
-        """The instants recorded for ``transfer_id`` so far (kept); None if none."""
+    def take(self, transfer_id: str, keep: bool = False) -> Timing | None:
+        """The instants recorded for ``transfer_id`` so far (forgotten unless ``keep``); None
+        if none."""
         with self._lock:
-            entry = self._marks.get(transfer_id)
+            entry = self._marks.get(transfer_id) if keep else self._marks.pop(transfer_id, None)
             return Timing(**entry) if entry else None
-
-    def take(self, transfer_id: str) -> Timing | None:
-        """The instants recorded for ``transfer_id`` (and forget them); None if none."""
-        with self._lock:
-            entry = self._marks.pop(transfer_id, None)
-        return Timing(**entry) if entry else None
 
 
 class WakeTimer:
@@ -166,16 +160,12 @@ class WorkerRuntime:
     """The worker half's shared state; see the module docstring."""
 
     def __init__(self, wake: Callable[[], None] = lambda: None) -> None:
-        self._wake = wake
+        self.notify = wake  # ask for an engine step soon (the scheduler half's listener wakes)
         self.timer = WakeTimer(wake)
         self.marks = TimingMarks()
         self.info: ConnectorInfo | None = None
         self._lock = threading.Lock()
         self._suspects: set[str] = set()
-
-    def notify(self) -> None:
-        """Ask for an engine step soon (the scheduler half's listener wakes the driver)."""
-        self._wake()
 
     def wake_at(self, when: float) -> None:
         """Ask for ``notify`` at monotonic time ``when`` (a little after a deadline)."""
@@ -204,32 +194,25 @@ class BusThread:
     def __init__(self, config: BusConfig) -> None:
         self.config = config
         self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._bus: Bus | None = None
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-bus", daemon=True)
         self._thread.start()
-        self._ready.wait(config.initial_connect_timeout_s + 5)
-        if self._error is not None:
-            raise self._error
-        if self._bus is None:
-            raise ConnectionError(f"kvpush connector: no NATS connection to {config.url}")
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self._bus is not None
+        connecting = asyncio.run_coroutine_threadsafe(Bus.connect(config), self._loop)
+        try:
+            self._bus = connecting.result(config.initial_connect_timeout_s + 5)
+        except BaseException as exc:
+            connecting.cancel()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if isinstance(exc, FutureTimeout):
+                raise ConnectionError(
+                    f"kvpush connector: no NATS connection to {config.url}"
+                ) from None
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        try:
-            self._bus = self._loop.run_until_complete(Bus.connect(self.config))
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
         self._loop.run_forever()
-        # Stopped by close(): end what the client left running, then close the loop quietly.
+        # Stopped (close(), or a failed connect): end what the client left running, then close
+        # the loop quietly.
         leftover = asyncio.all_tasks(self._loop)
         for task in leftover:
             task.cancel()
@@ -247,46 +230,37 @@ class BusThread:
 
         ``context``: the request's trace context, so the ``bus.publish`` span and the message's
         traceparent join the request's trace instead of starting one of their own; ``span=False``
-        (hints) sends it outside any trace."""
-        assert self._bus is not None
-        future = asyncio.run_coroutine_threadsafe(
-            _in_context(
-                context if span else Context(),  # empty: no traceparent goes with a hint
-                self._bus.publish(subject, message, span=span),
-            ),
-            self._loop,
-        )
+        (hints) sends it outside any trace. The loop's task runs in a copy of this thread's
+        context as it is now (``call_soon_threadsafe`` takes it), so attaching here suffices."""
+        context = context if span else Context()  # empty: no traceparent goes with a hint
+        token = otel_context.attach(context) if context is not None else None
+        try:
+            publishing = self._bus.publish(subject, message, span=span)
+            future = asyncio.run_coroutine_threadsafe(publishing, self._loop)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         future.add_done_callback(_log_failure)
         return future
 
     def subscribe(self, subject_filter: str, handler: SyncHandler) -> None:
         """Run ``handler(subject, message)`` on the bus thread for every valid message."""
-        assert self._bus is not None
-        bus = self._bus
 
         async def call(subject: str, message: BusMessage) -> None:
             handler(subject, message)
 
-        asyncio.run_coroutine_threadsafe(bus.subscribe(subject_filter, call), self._loop).result(10)
-        asyncio.run_coroutine_threadsafe(bus.flush(), self._loop).result(10)
+        subscribing = self._bus.subscribe(subject_filter, call)
+        asyncio.run_coroutine_threadsafe(subscribing, self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._bus.flush(), self._loop).result(10)
 
     def close(self) -> None:
-        if self._bus is not None and self._thread.is_alive():
+        if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._bus.drain(), self._loop).result(5)
             except Exception as exc:  # closing anyway
                 log.debug("bus drain on close: %s", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
-
-
-async def _in_context(context: Context | None, work: Coroutine[Any, Any, None]) -> None:
-    token = otel_context.attach(context) if context is not None else None
-    try:
-        await work
-    finally:
-        if token is not None:
-            otel_context.detach(token)
 
 
 def _log_failure(future: Future[None]) -> None:

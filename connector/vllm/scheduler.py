@@ -15,23 +15,13 @@ it knows came through vLLM or the wake-up line, never through shared Python stat
 - timing marks come up with each step's output (``KVPushWorkerMeta``) and leave on the
   request's final output (``kv_transfer_params``, read back with ``params.timing_of``).
 
-Decode (push or pull):
-  get_num_new_matched_tokens -> (prompt tokens beyond the local prefix hit, async=True)
-  update_state_after_alloc(n>0) -> DecodeWork(PUSH|PULL) with the blocks for tokens
-  [first_token, num_tokens), first_token = the block-aligned local hit (docs/design.md,
-  correctness rule 6)
-  update_state_after_alloc(n=0) for a kvpush request never loaded -> DecodeWork(LOCAL)
-  request_finished while still receiving -> DecodeWork(ABORT); vLLM keeps the blocks until the
-  worker reports the receive finished (only once no WRITE can land: correctness rule 3)
-  P's first token (``first_token_from_prefill``, with a driver that reports it): it comes up
-  with the receive's end in the worker metadata; the request then continues from it (its last
-  prompt token: ``compat.continue_from``) or ends with it, and ``take_prefill_tokens`` hands
-  it to the driver, which reports it as the request's first output
-Prefill:
-  every scheduled step of a kvpush request -> PrefillWork(block ids, completes=last chunk)
-  request_finished -> delay_free=True until the worker reports the push finished
-  (correctness rule 4);
-  ``has_pending_push_work`` keeps the engine stepping until then.
+Decode: the prompt tokens beyond the block-aligned local hit load asynchronously (docs/design.md,
+correctness rule 6) into the blocks ``DecodeWork`` names (PUSH or PULL; LOCAL for a request
+never loaded; ABORT for one that ended while receiving, whose blocks vLLM keeps until the
+receive is reported: correctness rule 3). P's first token comes up with the receive's end
+(``_continue``, ``take_prefill_tokens``; docs/connector.md, "The first token from P").
+Prefill: a ``PrefillWork`` per scheduled step; a finished request's blocks are freed late until
+its push is reported (correctness rule 4; ``has_pending_push_work`` keeps the engine stepping).
 
 Threading model: vLLM calls it on the scheduler thread; an in-process driver calls it from the
 engine thread, which is the same thread (``suspect_peer`` takes a lock: it may come from
@@ -40,7 +30,6 @@ another). ``WakeListener`` owns one daemon thread that only sets ``activity``.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -66,8 +55,6 @@ from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPu
 from kvpush.connector.vllm.runtime import ConnectorInfo, TimingMarks
 from kvpush.connector.vllm.wake import WakeListener
 from kvpush.schemas.messages import WorkerRole
-
-log = logging.getLogger(__name__)
 
 
 class SchedulerHalf:
@@ -148,7 +135,10 @@ class SchedulerHalf:
         first_block = first_token // self.block_size
         last_block = -(-num_tokens // self.block_size)
         kind = ReceiveKind.PULL if params.mode is TransferMode.PULL else ReceiveKind.PUSH
-        if params.first_token_from_prefill and self._can_continue(request):
+        # P's token continues the request only with a driver that reports it, and only where
+        # it gives one engine's answer (the gateway's rule, checked again for any publisher)
+        takes = self.driver_takes_tokens and samples_on_prefill(request.sampling_params)
+        if params.first_token_from_prefill and takes:
             self._requests_awaiting_token[req_id] = request
         elif params.first_token_from_prefill:  # D samples the first token itself
             params = msgspec.structs.replace(params, first_token_from_prefill=False)
@@ -164,21 +154,6 @@ class SchedulerHalf:
             )
         )
         self._receiving[req_id] = params
-
-    def _can_continue(self, request: Any) -> bool:
-        """May this request continue from P's first token? Only with a driver that reports
-        the token, and only where P's token gives one engine's answer (the gateway's rule,
-        checked again for any other publisher)."""
-        return self.driver_takes_tokens and samples_on_prefill(request.sampling_params)
-
-    def receive_finished(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            params = self._receiving.pop(req_id, None)
-            self._aborting.discard(req_id)
-            request = self._requests_awaiting_token.pop(req_id, None)
-            token = self._prefill_tokens.pop(req_id, None)
-            if params is not None and request is not None and token is not None:
-                self._continue(req_id, request, token, params.transfer_id)
 
     def _continue(self, req_id: str, request: Any, token: PrefillToken, tid: str) -> None:
         """P's first token for a request whose KV is in: the answer ends with it, or the
@@ -207,58 +182,31 @@ class SchedulerHalf:
         return tokens
 
     # ---- prefill side ---------------------------------------------------------------------
-    def _prefill_step(
-        self,
-        req_id: str,
-        params: TransferParams,
-        blocks: list[int],
-        num_tokens: int,
-        computed: int,
-        scheduled: int,
-    ) -> None:
-        completes = computed + scheduled >= num_tokens
-        self._meta.prefill.append(PrefillWork(req_id, params, list(blocks), num_tokens, completes))
-        if completes:
-            self._prefilling.pop(req_id, None)
-
     def _collect_prefill(self, scheduler_output: Any) -> None:
-        scheduled = scheduler_output.num_scheduled_tokens
+        """A ``PrefillWork`` for every scheduled step of a kvpush request in prefill."""
+        computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
-            sampling = new.sampling_params
-            extra = getattr(sampling, "extra_args", None) or {}
+            extra = getattr(new.sampling_params, "extra_args", None) or {}
             params = read_params(extra.get("kv_transfer_params"))
-            if params is None or new.prompt_token_ids is None:
-                continue
-            blocks, num_tokens = list(new.block_ids[0]), len(new.prompt_token_ids)
-            self._prefilling[new.req_id] = (params, blocks, num_tokens)
-            self._prefill_step(
-                new.req_id,
-                params,
-                blocks,
-                num_tokens,
-                new.num_computed_tokens,
-                scheduled.get(new.req_id, 0),
-            )
+            if params is not None and new.prompt_token_ids is not None:
+                blocks, num_tokens = list(new.block_ids[0]), len(new.prompt_token_ids)
+                self._prefilling[new.req_id] = (params, blocks, num_tokens)
+                computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            entry = self._prefilling.get(req_id)
-            if entry is None:
-                continue
-            params, blocks, num_tokens = entry
-            new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
-                blocks.extend(new_blocks[0])
-            self._prefill_step(
-                req_id,
-                params,
-                blocks,
-                num_tokens,
-                cached.num_computed_tokens[i],
-                scheduled.get(req_id, 0),
-            )
-
-    def push_finished(self, req_ids: set[str]) -> None:
-        self._awaiting_push.difference_update(req_ids)
+        for req_id, new_blocks, done in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            if req_id in self._prefilling:
+                if new_blocks is not None:
+                    self._prefilling[req_id][1].extend(new_blocks[0])
+                computed[req_id] = done
+        for req_id, done in computed.items():
+            params, blocks, num_tokens = self._prefilling[req_id]
+            completes = done + scheduler_output.num_scheduled_tokens.get(req_id, 0) >= num_tokens
+            work = PrefillWork(req_id, params, list(blocks), num_tokens, completes)
+            self._meta.prefill.append(work)
+            if completes:
+                del self._prefilling[req_id]
 
     def has_pending_push_work(self) -> bool:
         return bool(self._awaiting_push)
@@ -280,15 +228,12 @@ class SchedulerHalf:
             self._suspects.append(address)
         self.activity.set()
 
-    def peek_timing(self, transfer_id: str) -> Any:
-        """The marks of a transfer known so far, kept for its end (what D's first output
-        carries: an answer a stop string ends is aborted, and its end carries none)."""
-        return self._marks.peek(transfer_id)
-
-    def take_timing(self, transfer_id: str) -> Any:
+    def take_timing(self, transfer_id: str, keep: bool = False) -> Any:
         """Marks of a transfer that came up after its request finished (vLLM calls
-        ``request_finished`` before ``update_connector_output`` in the same step)."""
-        return self._marks.take(transfer_id)
+        ``request_finished`` before ``update_connector_output`` in the same step). ``keep``:
+        those known so far stay for its end (what D's first output carries: an answer a stop
+        string ends is aborted, and its end carries none)."""
+        return self._marks.take(transfer_id, keep)
 
     def shutdown(self) -> None:
         self._wake.close()
@@ -314,8 +259,14 @@ class SchedulerHalf:
                 if req_id in self._requests_awaiting_token:  # with TP: maybe a step early
                     self._prefill_tokens[req_id] = token
         self._block_budget = None
-        self.receive_finished(set(output.finished_recving or ()))
-        self.push_finished(set(output.finished_sending or ()))
+        for req_id in output.finished_recving or ():
+            params = self._receiving.pop(req_id, None)
+            self._aborting.discard(req_id)
+            request = self._requests_awaiting_token.pop(req_id, None)
+            token = self._prefill_tokens.pop(req_id, None)
+            if params is not None and request is not None and token is not None:
+                self._continue(req_id, request, token, params.transfer_id)
+        self._awaiting_push.difference_update(output.finished_sending or ())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id

@@ -19,7 +19,7 @@ import enum
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.params import ConnectorSettings
@@ -29,7 +29,7 @@ from kvpush.connector.transport import KvTransport
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 
 MAX_EARLY_PER_TRANSFER = 64  # messages kept for a transfer not known yet (peer ranks x kinds)
-Entry = TypeVar("Entry")
+Entry = TypeVar("Entry")  # Incoming or Outgoing: each has a ``deadline`` and ``legs``
 Message = TypeVar("Message")
 State = TypeVar("State", bound=enum.Enum)
 
@@ -166,6 +166,14 @@ class SideBase(Generic[Entry, Message]):
     def _apply(self, entry: Entry, message: Message) -> None:
         raise NotImplementedError
 
+    def _take(self, message: Any) -> None:
+        """Bus thread: apply ``message`` to its transfer (or keep it for later); once applied,
+        ask for a step (only a step reports what it changed)."""
+        with self.lock:
+            if not self._deliver(message.transfer_id, message):
+                return
+        self.runtime.notify()
+
     def _deliver(self, transfer_id: str, message: Message) -> bool:
         """Apply ``message`` to its transfer; False (kept for later) when it is not known yet."""
         entry = self._by_tid.get(transfer_id)
@@ -181,9 +189,7 @@ class SideBase(Generic[Entry, Message]):
 
     def _track(self, transfer_id: str, entry: Entry) -> None:
         self._by_tid[transfer_id] = entry
-        deadline = getattr(entry, "deadline", None)
-        if deadline is not None:  # a step must come then to give up on it
-            self.runtime.wake_at(deadline)
+        self.runtime.wake_at(entry.deadline)  # a step must come then to give up on it
 
     def _apply_early(self, transfer_id: str, entry: Entry) -> None:
         """Hand ``entry`` the messages that came before it, in arrival order."""
@@ -203,6 +209,5 @@ class SideBase(Generic[Entry, Message]):
     def _forget(self, transfer_id: str) -> None:
         entry = self._by_tid.pop(transfer_id)
         self._ended[transfer_id] = True
-        legs: Legs | None = getattr(entry, "legs", None)
-        for leg in legs.by_rank.values() if legs is not None else ():
+        for leg in entry.legs.by_rank.values():
             self._leg_of.pop(leg.transport_id, None)

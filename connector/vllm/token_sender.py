@@ -34,7 +34,7 @@ class FirstTokenSender:
 
     def __init__(self, settings: ConnectorSettings) -> None:
         name = f"kvpush-{settings.worker_id}-first-tokens"
-        self._bus: BusThread | None = BusThread(BusConfig.from_env(settings.nats_url, name))
+        self._bus = BusThread(BusConfig.from_env(settings.nats_url, name))
         self._wanted: dict[str, TransferParams] = {}  # req_id -> params, until its last output
 
     def watch(self, request: Any) -> None:
@@ -72,10 +72,7 @@ class FirstTokenSender:
             finish_reason=FinishReason.STOP if stopped else None,
             stop_reason=stop[:256] if isinstance(stop, str) else stop,
         )
-        if self._bus is not None:
-            self._bus.publish(subjects.kv_done(params.decode_id), token, span=False)
+        self._bus.publish(subjects.kv_done(params.decode_id), token, span=False)
 
     def close(self) -> None:
-        if self._bus is not None:
-            self._bus.close()
-            self._bus = None
+        self._bus.close()

@@ -19,11 +19,9 @@ Threading model: ``WakeSender.notify`` is safe from any thread (one datagram, no
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
 
-log = logging.getLogger(__name__)
 STOP = b"s"
 
 

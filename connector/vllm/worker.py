@@ -24,24 +24,23 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 from typing import Any
 
 from kvpush.connector.bus import BusConfig
 from kvpush.connector.layout import MemType, pool_layout
-from kvpush.connector.params import ConnectorSettings, PrefillToken
+from kvpush.connector.params import ConnectorSettings
 from kvpush.connector.peering import CompatInfo, paged_layout_name
 from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.decode_side import DecodeSide
 from kvpush.connector.vllm.gate import LayerGate
-from kvpush.connector.vllm.metadata import KVPushMetadata
+from kvpush.connector.vllm.metadata import KVPushMetadata, KVPushWorkerMeta
 from kvpush.connector.vllm.prefill_side import PrefillSide
 from kvpush.connector.vllm.runtime import BusThread, ConnectorInfo, WorkerRuntime
 from kvpush.connector.vllm.side import Rank
 from kvpush.connector.vllm.wake import WakeSender
-from kvpush.schemas.messages import Timing, WorkerRole
+from kvpush.schemas.messages import WorkerRole
 
 log = logging.getLogger(__name__)
 SIDE_CHANNEL_TOKEN_ENV = "KVPUSH_SIDE_CHANNEL_TOKEN"  # shared secret of every P and D
@@ -161,13 +160,9 @@ class WorkerHalf:
 
     def _drain(self) -> list[TransferEvent]:
         events: list[TransferEvent] = []
-        if self.poller is None:
-            return events
-        while True:
-            try:
-                events.append(self.poller.events.get_nowait())
-            except queue.Empty:
-                return events
+        while self.poller is not None and not self.poller.events.empty():  # we take, alone
+            events.append(self.poller.events.get_nowait())
+        return events
 
     def transfer_results(
         self, finished_req_ids: set[str]
@@ -192,14 +187,14 @@ class WorkerHalf:
             return set(), recving, failed
         return set(), set(), {}
 
-    def take_marks(self) -> dict[str, Timing]:
-        """The timing marks learned since the last step (for the scheduler half)."""
-        return self.runtime.marks.take_all()
-
-    def take_first_tokens(self) -> dict[str, PrefillToken]:
-        """P's first tokens of the receives this step reported finished (for the scheduler
-        half, which continues those requests from them)."""
-        return self.decode.take_first_tokens() if self.decode is not None else {}
+    def worker_meta(self) -> KVPushWorkerMeta | None:
+        """The timing marks learned since the last step and P's first tokens of the receives
+        this step reported finished (the scheduler half continues those requests from them)."""
+        marks = self.runtime.marks.take_all()
+        tokens = self.decode.take_first_tokens() if self.decode is not None else {}
+        if not (marks or tokens):
+            return None
+        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens)
 
     def shutdown(self) -> None:
         if self._gate is not None:

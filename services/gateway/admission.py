@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator
 
 from kvpush.services.gateway.errors import ApiError
 
-RETRY_AFTER_S = 1  # what 429/503 answers suggest (seconds)
-
 
 class Admission:
     """Slots for requests being served, and a bounded FIFO of requests waiting for one."""
@@ -54,7 +52,6 @@ class Admission:
                 f" (limits {self.max_inflight} and {self.max_queued}); retry later",
                 type_="rate_limit_error",
                 code="rate_limit_exceeded",
-                retry_after_s=RETRY_AFTER_S,
             )
         self.waiting += 1
         try:
@@ -66,7 +63,6 @@ class Admission:
                 f" {self.in_flight} requests in flight); retry later",
                 type_="service_unavailable",
                 code="queue_timeout",
-                retry_after_s=RETRY_AFTER_S,
             ) from None
         finally:
             self.waiting -= 1

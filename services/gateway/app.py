@@ -28,9 +28,8 @@ from collections.abc import Awaitable
 from aiohttp import web
 from nats.aio.subscription import Subscription
 
-from kvpush.connector import Bus, BusConnectError, configure_tracing
+from kvpush.connector import Bus, BusConfig, BusConnectError, configure_tracing
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import WorkerRole
 from kvpush.services.gateway.config import ConfigError, GatewayConfig
 from kvpush.services.gateway.http_server import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
@@ -60,17 +59,18 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self.url = ""
-        self._register_metric_sources()
+        self.metrics.watch(self.registry, self.streams.stats)
 
     @classmethod
-    async def start(cls, config: GatewayConfig, *, model: ModelInfo | None = None) -> Gateway:
+    async def start(cls, config: GatewayConfig) -> Gateway:
         """setup -> start: read the model folder, build vLLM's serving layer, connect,
         subscribe, listen."""
-        model = model or await asyncio.to_thread(load_model, config)
+        model = await asyncio.to_thread(load_model, config)
         serving = await asyncio.to_thread(
             build_serving, config, model.served_name, model.max_model_len
         )
-        bus = await Bus.connect(config.bus_config())
+        bus_name = f"kvpush-gateway-{config.gateway_id}"
+        bus = await Bus.connect(BusConfig.from_env(config.nats_url, bus_name))
         gateway = cls(config, model, bus)
         try:
             from kvpush.services.gateway.engine_client import BusEngineClient
@@ -107,36 +107,6 @@ class Gateway:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-
-    def _register_metric_sources(self) -> None:
-        self.metrics.set_workers(
-            lambda: [
-                state.heartbeat
-                for role in WorkerRole
-                for state in self.registry.alive(role, include_draining=True)
-            ]
-        )
-        self.metrics.add_source(
-            "gauge",
-            "kvpush_gateway_workers",
-            "live, non-draining workers by role",
-            "role",
-            lambda: {k: float(v) for k, v in self.registry.counts().items()},
-        )
-        stats = self.streams.stats
-        self.metrics.add_source(
-            "counter",
-            "kvpush_gateway_token_chunks",
-            "token chunks received, by outcome",
-            "outcome",
-            lambda: {
-                "delivered": stats.chunks,
-                "unknown": stats.unknown,
-                "duplicate": stats.duplicates,
-                "reordered": stats.reordered,
-                "overflow": stats.overflows,
-            },
-        )
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -112,7 +112,6 @@ class BusGeneration:
         self.transfer_id = secrets.token_urlsafe(16)
         self.published_ns = self.first_byte_ns = self.last_chunk_ns = 0
         self.worker_timing: Timing | None = None  # from the last TokenChunk
-        self.status = "client disconnected"
         self.first_at: float | None = None
         self.ended = False  # D reported the end (final chunk or error): nothing to abort on D
         self.worker_error = False  # ... with an error: P may still be working, abort it
@@ -206,7 +205,7 @@ class BusGeneration:
             transfer_id=self.transfer_id,
             trace_id=f"{context.trace_id:032x}" if context.trace_id else "",
             mode=self.route.mode.value,
-            status="ok" if ok else (self.status if self.ended else self.abort_reason),
+            status="ok" if ok else self.abort_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             arrived_ns=self.arrived_ns,
@@ -277,7 +276,7 @@ class BusGeneration:
         if chunk.error is not None or chunk.finish_reason is FinishReason.ERROR:
             self.ended = self.worker_error = True
             why = chunk.error or "unspecified"
-            self.status = f"worker error: {why}"[:200]
+            self.abort_reason = f"worker error: {why}"[:200]  # its status; D is done
             self.context.span.set_status(StatusCode.ERROR, f"worker error: {why}")
             raise self._fail(ApiError(502, f"worker error: {why}", type_="worker_error"))
         if chunk.finish_reason is not None:

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvpush.connector import DEFAULT_NATS_URL, BusConfig
+from kvpush.connector import DEFAULT_NATS_URL
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
@@ -264,9 +264,6 @@ class GatewayConfig:
             return cls(**values)
         except ValueError as exc:  # includes subjects.SubjectError for a bad gateway id
             raise ConfigError(str(exc)) from None
-
-    def bus_config(self) -> BusConfig:
-        return BusConfig.from_env(self.nats_url, f"kvpush-gateway-{self.gateway_id}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,11 +41,7 @@ PART_STYLE: Final[dict[str, tuple[str, str]]] = {
     "decode_first_step": ("Decode first step", "#009E73"),
     "streaming": ("Streaming", "#8C6D1F"),
 }
-_FALLBACK_COLOR: Final = "#7F7F7F"
-PARTS: Final[list[list[str]]] = [
-    [name, *PART_STYLE.get(name, (name.replace("_", " ").capitalize(), _FALLBACK_COLOR))]
-    for name in PART_NAMES
-]
+PARTS: Final[list[list[str]]] = [[name, *PART_STYLE[name]] for name in PART_NAMES]
 DEFAULT_CAPACITY: Final = 200
 
 
@@ -115,8 +111,6 @@ class RecentRequests:
         values = sorted(r["ttft_ms"] for r in self._rows if r["ttft_ms"] is not None)
         result: dict[float, float | None] = {}
         for q in quantiles:
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"quantile {q} outside 0..1")
             result[q] = values[min(len(values) - 1, int(q * len(values)))] if values else None
         return result
 

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from opentelemetry import trace
 from vllm.engine.protocol import EngineClient
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -43,8 +44,6 @@ from kvpush.services.gateway.bus_generation import (
 from kvpush.services.gateway.errors import ApiError
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from kvpush.services.gateway.bus_generation import GenerationHost
     from kvpush.services.gateway.vllm_serving import VllmServing
 
@@ -166,7 +165,7 @@ class BusEngineClient(EngineClient):
     async def generate(  # type: ignore[override]
         self, prompt: Any, sampling_params: SamplingParams, request_id: str, **_: Any
     ) -> AsyncGenerator[RequestOutput, None]:
-        context = CURRENT.get() or RequestContext(span=_no_span())
+        context = CURRENT.get() or RequestContext(span=trace.INVALID_SPAN)
         ids = list(prompt["prompt_token_ids"])
         # what vLLM's own engine client refuses (e.g. logprobs above max_logprobs) is a 400 here
         self.input_processor.process_inputs(
@@ -200,77 +199,12 @@ class BusEngineClient(EngineClient):
             bus_id = bus_request_id(f"{bus_id}-{secrets.token_hex(4)}")  # the suffix stays
         return bus_id
 
-    # ---- the rest of the protocol: kvpush's engines live in the workers -----------------------
-    is_running = property(lambda self: True)
-    is_stopped = property(lambda self: False)
-    errored = property(lambda self: False)
-    dead_error = property(lambda self: RuntimeError("kvpush gateway: no local engine"))
-
     def encode(self, *args: Any, **kwargs: Any) -> Any:
         raise ApiError(400, "pooling models are not served by kvpush")
 
-    async def abort(self, request_id: Any, *args: Any, **kwargs: Any) -> None:
-        return None  # a BusGeneration aborts itself when its generator closes
 
-    async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
-
-    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def is_tracing_enabled(self) -> bool:
-        return False
-
-    async def do_log_stats(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def check_health(self) -> None:
-        return None
-
-    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def stop_profile(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def reset_mm_cache(self) -> None:
-        return None
-
-    async def reset_encoder_cache(self) -> None:
-        return None
-
-    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        return False
-
-    async def sleep(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def wake_up(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    async def is_sleeping(self) -> bool:
-        return False
-
-    async def add_lora(self, *args: Any, **kwargs: Any) -> bool:
-        return False
-
-    async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def resume_generation(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    async def is_paused(self) -> bool:
-        return False
-
-    async def release_kv_cache_memory(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def shutdown(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def _no_span() -> Span:
-    from opentelemetry import trace
-
-    return trace.INVALID_SPAN
+# The rest of the protocol (abort, health, profiling, sleep, pause, LoRA, caches, shutdown)
+# concerns a local engine, and kvpush's engines live in the workers (a BusGeneration aborts
+# itself when its generator closes): vLLM's abstract bodies, which do nothing and return None
+# (so ``errored`` and ``is_tracing_enabled`` are falsy), serve as its no-ops.
+BusEngineClient.__abstractmethods__ = frozenset()

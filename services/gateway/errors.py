@@ -30,12 +30,11 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | int | None = None,
-        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
-        # 429 and 503 tell the client when to come back (Retry-After); 1 s unless given
-        self.retry_after_s = retry_after_s or (1 if status in (429, 503) else None)
+        # 429 and 503 tell the client when to come back (Retry-After, seconds)
+        self.retry_after_s = 1 if status in (429, 503) else None
         self.message = message
         self.type = type_
         self.param = param

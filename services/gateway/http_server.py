@@ -76,16 +76,12 @@ class GatewayApi:
         self.started_at = time.monotonic()  # requests wait for workers start_timeout_s from it
         self.recent = RecentRequests()
         self.observer = Observer(metrics, self.recent)
+        self.served_name = model.served_name  # the workers' (vLLM's first served name)
 
     @property
     def in_flight(self) -> int:
         """Generation requests being served or queued for a slot."""
         return self.admission.in_flight + self.admission.waiting
-
-    @property
-    def served_name(self) -> str:
-        """The model name the workers serve (vLLM's first served name)."""
-        return self.model.served_name
 
     def attach(self, serving: VllmServing) -> None:
         """Serve the OpenAI routes with vLLM's serving objects."""

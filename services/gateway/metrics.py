@@ -14,13 +14,18 @@ event loop, and ``render`` runs there too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpush.schemas.messages import WorkerHeartbeat
+from kvpush.schemas.messages import WorkerRole
+
+if TYPE_CHECKING:
+    from kvpush.services.gateway.routing import WorkerRegistry
+    from kvpush.services.gateway.streaming import StreamStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (
@@ -163,46 +168,40 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
-        self._sources: list[tuple[str, str, str, str, Callable[[], dict[str, float]]]] = []
-        r.register(_SourceCollector(self._sources))
-        self._heartbeats: Callable[[], list[WorkerHeartbeat]] = list
-        r.register(_WorkerCollector(lambda: self._heartbeats()))
 
-    def set_workers(self, read: Callable[[], list[WorkerHeartbeat]]) -> None:
-        """Where the per-worker gauges come from: the live workers' last heartbeats."""
-        self._heartbeats = read
-
-    def add_source(
-        self, kind: str, name: str, doc: str, label: str, read: Callable[[], dict[str, float]]
-    ) -> None:
-        """A ``counter`` or ``gauge`` family whose values ``read()`` returns at scrape time."""
-        self._sources.append((kind, name, doc, label, read))
+    def watch(self, workers: WorkerRegistry, stats: StreamStats) -> None:
+        """Read at scrape time: live workers by role and their last heartbeats, and the token
+        streams' chunk counts."""
+        self.registry.register(_Scraped(workers, stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _SourceCollector(Collector):
-    def __init__(
-        self, sources: list[tuple[str, str, str, str, Callable[[], dict[str, float]]]]
-    ) -> None:
-        self._sources = sources
+class _Scraped(Collector):
+    def __init__(self, workers: WorkerRegistry, stats: StreamStats) -> None:
+        self.workers, self.stats = workers, stats
 
     def collect(self) -> Iterator[Metric]:
-        for kind, name, doc, label, read in self._sources:
-            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = family_type(name, doc, labels=[label])
-            for value_label, value in read().items():
-                family.add_metric([value_label], value)
-            yield family
-
-
-class _WorkerCollector(Collector):
-    def __init__(self, read: Callable[[], list[WorkerHeartbeat]]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterator[Metric]:
-        beats = self._read()
+        doc = "live, non-draining workers by role"
+        live = GaugeMetricFamily("kvpush_gateway_workers", doc, labels=["role"])
+        for role, count in self.workers.counts().items():
+            live.add_metric([role], float(count))
+        yield live
+        doc = "token chunks received, by outcome"
+        chunks = CounterMetricFamily("kvpush_gateway_token_chunks", doc, labels=["outcome"])
+        stats = self.stats
+        chunks.add_metric(["delivered"], stats.chunks)
+        chunks.add_metric(["unknown"], stats.unknown)
+        chunks.add_metric(["duplicate"], stats.duplicates)
+        chunks.add_metric(["reordered"], stats.reordered)
+        chunks.add_metric(["overflow"], stats.overflows)
+        yield chunks
+        beats = [
+            state.heartbeat
+            for role in WorkerRole
+            for state in self.workers.alive(role, include_draining=True)
+        ]
         for name, doc, field in WORKER_GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["worker", "role"])
             for hb in beats:

@@ -106,19 +106,8 @@ class OpenAIRoutes:
             "models": ModelList,
         }
         self.error_type = ErrorResponse
-        self._adapters = {  # built once: a union (tokenize's) validates through an adapter
-            key: pydantic.TypeAdapter(model)
-            for key, model in self.models_of.items()
-            if not isinstance(model, type)
-        }
-
-    def request_models(self) -> dict[str, Any]:
-        """The pydantic models (or unions) request bodies are validated with, by route key."""
-        return dict(self.models_of)
-
-    def answer_models(self) -> dict[str, Any]:
-        """The pydantic models vLLM answers with, by route key."""
-        return dict(self.answers_of)
+        # built once; an adapter validates a union (tokenize's) as well as a model
+        self._adapters = {key: pydantic.TypeAdapter(m) for key, m in self.models_of.items()}
 
     def served_names(self) -> list[str]:
         """The model names vLLM's serving layer answers to (``--served-model-name``)."""
@@ -147,9 +136,7 @@ class OpenAIRoutes:
         import pydantic
 
         try:
-            if key in self._adapters:
-                return self._adapters[key].validate_python(data)
-            return self.models_of[key].model_validate(data)
+            return self._adapters[key].validate_python(data)
         except pydantic.ValidationError as exc:
             raise await self._validation_error(exc, request) from None
         except Exception as exc:  # a model validator's VLLMValidationError, ...
@@ -221,13 +208,6 @@ class OpenAIRoutes:
             raise context.error
         return await self._answer(request, result, context)
 
-    def _error_of(self, exc: Exception) -> ApiError:
-        answer = self.serving.completion.create_error_response(exc)
-        error = answer.error
-        return ApiError(
-            int(error.code), error.message, type_=error.type, param=error.param, code=error.code
-        )
-
     async def _answer(
         self, request: web.Request, result: Any, context: RequestContext
     ) -> web.StreamResponse:
@@ -261,14 +241,12 @@ class OpenAIRoutes:
 
     # ---- the rest of vLLM's routes --------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
-        parsed = await self._validated("tokenize", data, request)
+        parsed = await self._validated("tokenize", await self._body(request), request)
         raw = RawRequest(request, self.serving.args)
         return self._plain(await self._vllm(self.serving.tokenization.create_tokenize(parsed, raw)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
-        parsed = await self._validated("detokenize", data, request)
+        parsed = await self._validated("detokenize", await self._body(request), request)
         raw = RawRequest(request, self.serving.args)
         try:
             result = await self._vllm(self.serving.tokenization.create_detokenize(parsed, raw))
@@ -288,10 +266,12 @@ class OpenAIRoutes:
     def _raise_as_vllm(self, exc: Exception) -> NoReturn:
         """``exc`` as the status vLLM's server gives it; a 500 is raised as it is (not the
         client's: the middleware logs it and answers a bare 500)."""
-        error = self._error_of(exc)
-        if error.status >= 500:
+        error = self.serving.completion.create_error_response(exc).error
+        if int(error.code) >= 500:
             raise exc
-        raise error from None
+        raise ApiError(
+            int(error.code), error.message, type_=error.type, param=error.param, code=error.code
+        ) from None
 
     def _plain(self, result: Any) -> web.Response:
         status = result.error.code if isinstance(result, self.error_type) else 200

@@ -3,7 +3,7 @@
 The routes vLLM's serving layer answers (``openai_routes``: ``/v1/completions``,
 ``/v1/chat/completions``, ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/version``) are
 described by the very pydantic models ``OpenAIRoutes`` validates requests with and vLLM answers
-with (``OpenAIRoutes.request_models`` and ``answer_models``): their JSON Schemas (pydantic's
+with (``OpenAIRoutes.models_of`` and ``answers_of``): their JSON Schemas (pydantic's
 ``TypeAdapter.json_schemas``) are the document's ``components/schemas``. Two kvpush facts are
 written into the request schemas: ``model`` takes the gateway's served names only (any other
 is a 404), and the generation routes take the ``kvpush_mode`` extension. kvpush's own routes
@@ -93,11 +93,11 @@ def _schemas(routes: OpenAIRoutes) -> tuple[dict[str, Any], dict[str, Any]]:
 
     inputs: list[tuple[str, Any, Any]] = [
         (f"request:{key}", "validation", pydantic.TypeAdapter(model))
-        for key, model in routes.request_models().items()
+        for key, model in routes.models_of.items()
     ]
     inputs += [
         (f"answer:{key}", "serialization", pydantic.TypeAdapter(model))
-        for key, model in routes.answer_models().items()
+        for key, model in routes.answers_of.items()
     ]
     refs, defs = pydantic.TypeAdapter.json_schemas(inputs, ref_template=REF)
     return {key: schema for (key, _), schema in refs.items()}, defs.get("$defs", {})
@@ -197,7 +197,7 @@ def build_document(
 ) -> dict[str, Any]:
     """The gateway's OpenAPI 3.1 document; ``secured``: /v1/* need a Bearer API key."""
     refs, components = _schemas(routes)
-    for key in routes.request_models():
+    for key in routes.models_of:
         ref = refs[f"request:{key}"]
         for one in ref.get("anyOf", [ref]):  # /tokenize's is a union of two models
             name = one["$ref"].rsplit("/", 1)[-1]

@@ -82,7 +82,6 @@ class NoWorkerError(LookupError):
 
 @dataclass
 class RegistryStats:
-    heartbeats: int = 0
     rejected: int = 0  # over max_workers
     expired: int = 0
     restarts: int = 0
@@ -114,7 +113,6 @@ class WorkerRegistry:
             self.observe(message)
 
     def observe(self, hb: WorkerHeartbeat) -> None:
-        self.stats.heartbeats += 1
         key = (hb.role, hb.worker_id)
         state = self._workers.get(key)
         now = self._clock()
@@ -187,22 +185,6 @@ class WorkerRegistry:
     def counts(self) -> dict[str, int]:
         return {role.value: len(self.alive(role)) for role in WorkerRole}
 
-    def describe(self) -> list[dict[str, object]]:
-        now = self._clock()
-        self._prune(now)
-        return [
-            {
-                "worker_id": s.heartbeat.worker_id,
-                "role": s.heartbeat.role.value,
-                "epoch": s.heartbeat.epoch,
-                "load": s.load,
-                "free_blocks": s.heartbeat.free_blocks,
-                "draining": s.heartbeat.draining,
-                "last_seen_s": round(now - s.seen_at, 3),
-            }
-            for s in self._workers.values()
-        ]
-
 
 class Router:
     """Mode choice and P/D selection; see the module docstring."""
@@ -216,16 +198,12 @@ class Router:
         self.default_mode = default_mode
         self.local_threshold = local_threshold
 
-    def mode_for(self, prompt_tokens: int, requested: TransferMode | None) -> TransferMode:
-        if requested is not None:
-            return requested
-        if prompt_tokens < self.local_threshold:
-            return TransferMode.LOCAL
-        return self.default_mode
-
     def route(self, prompt_tokens: int, requested: TransferMode | None = None) -> Route:
         """Choose mode, D and P; raise ``NoWorkerError`` when a needed role has no worker."""
-        mode = self.mode_for(prompt_tokens, requested)
+        mode = requested
+        if mode is None:
+            short = prompt_tokens < self.local_threshold
+            mode = TransferMode.LOCAL if short else self.default_mode
         if mode is not TransferMode.LOCAL and not self.registry.alive(WorkerRole.PREFILL):
             if requested is not None:  # the client asked for a transfer: say why it can't be
                 raise NoWorkerError(WorkerRole.PREFILL)

@@ -95,18 +95,12 @@ class RequestStream:
 
     async def next(self, timeout_s: float) -> TokenChunk:
         """The next chunk in order; ``asyncio.TimeoutError`` after ``timeout_s`` without one."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            if self.failure is not None:
-                raise StreamFailed(self.failure)
-            if self._ready:
-                return self._ready.popleft()
-            self._wake.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            await asyncio.wait_for(self._wake.wait(), remaining)
+        if not self._ready and self.failure is None:
+            self._wake.clear()  # set again only with a chunk ready or a failure
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+        if self.failure is not None:
+            raise StreamFailed(self.failure)
+        return self._ready.popleft()
 
 
 class TokenStreams:

@@ -60,17 +60,6 @@ class VllmServing:
         self.models = state.openai_serving_models
 
 
-def vllm_argv(config: GatewayConfig) -> list[str]:
-    """The ``vllm serve`` flags of this gateway: model, names, context, then ``vllm_args``."""
-    argv = ["--model", str(config.model)]
-    if config.served_model_name:
-        argv += ["--served-model-name", *config.served_model_name.split(",")]
-    if config.max_model_len:
-        argv += ["--max-model-len", str(config.max_model_len)]
-    argv += ["--disable-log-stats"]
-    return argv + list(config.vllm_args)
-
-
 def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) -> VllmServing:
     """Parse the flags, make the VllmConfig, renderer and input processor (blocking)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -88,11 +77,11 @@ def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) 
 
     from kvpush.services.gateway.config import ConfigError
 
-    argv = vllm_argv(config)
-    if not config.served_model_name:
-        argv += ["--served-model-name", default_name]
-    if not config.max_model_len:
-        argv += ["--max-model-len", str(max_model_len)]
+    # model, names (the gateway answers to each), context, then the `vllm serve` flags given
+    names = config.served_model_name.split(",") if config.served_model_name else [default_name]
+    argv = ["--model", str(config.model), "--served-model-name", *names]
+    argv += ["--max-model-len", str(config.max_model_len or max_model_len), "--disable-log-stats"]
+    argv += config.vllm_args
     try:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         validate_parsed_serve_args(args)

@@ -52,10 +52,7 @@ def records_from_otlp(body: bytes) -> list[SpanRecord]:
     request.ParseFromString(body)
     records: list[SpanRecord] = []
     for resource_spans in request.resource_spans:
-        service = ""
-        for kv in resource_spans.resource.attributes:
-            if kv.key == "service.name":
-                service = kv.value.string_value
+        service = str(_kv_attrs(resource_spans.resource.attributes).get("service.name", ""))
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
                 records.append(

@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from kvpush.services.telemetry.ttft_report import (
     Report,
@@ -33,8 +33,6 @@ from kvpush.services.telemetry.ttft_report import (
 
 if TYPE_CHECKING:
     from kvpush.schemas.spans import SpanRecord
-
-DEFAULT_GRACE_S: Final = 1.0
 
 DESCRIPTION = """\
 The TTFT breakdown of traced requests: for each request, its time to first token (gateway
@@ -160,12 +158,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_arguments(parser)
     parser.set_defaults(func=run)
-    return parser
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "files", nargs="*", metavar="FILE", help="span JSON-lines files (--trace-file)"
     )
@@ -195,12 +188,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     listen.add_argument(
         "--grace",
         type=float,
-        default=DEFAULT_GRACE_S,
+        default=1.0,
         metavar="S",
         help="seconds to wait after a trace has its root and first byte before "
         "printing its row, so that late spans of P and D join (default 1; kvpush services "
         "export every 0.5 s). The summary uses every span received, late ones too",
     )
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

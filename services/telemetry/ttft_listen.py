@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -28,13 +29,14 @@ from kvpush.schemas.spans import SpanRecord
 from kvpush.services.telemetry.breakdown import breakdowns_from_spans
 from kvpush.services.telemetry.spans import records_from_otlp
 from kvpush.services.telemetry.ttft_report import (
-    OTLP_CONTENT_TYPE,
     Report,
     UsageError,
     analyze,
     table_header,
     table_row,
 )
+
+OTLP_CONTENT_TYPE = "application/x-protobuf"
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -136,15 +138,13 @@ async def serve(args: argparse.Namespace, collector: Collector) -> None:
         loop = asyncio.get_running_loop()
         handled = []
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            # off the main thread, or where signals cannot be handled: no handlers
+            with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
                 handled.append(sig)
-            except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
-                pass
         try:
-            await asyncio.wait_for(stop.wait(), timeout=args.duration)
-        except asyncio.TimeoutError:
-            pass
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=args.duration)
         finally:
             for sig in handled:
                 loop.remove_signal_handler(sig)

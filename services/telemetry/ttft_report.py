@@ -30,8 +30,8 @@ PART_LABELS: Final = (
     "D first step",
     "streaming",
 )
+WIDTHS: Final = (14, 5, 8, *(max(len(label), 7) for label in PART_LABELS))  # the table's columns
 PERCENTILES: Final = "linear interpolation between closest ranks (numpy's default)"
-OTLP_CONTENT_TYPE: Final = "application/x-protobuf"
 
 
 class UsageError(Exception):
@@ -115,28 +115,22 @@ def short_id(b: Breakdown) -> str:
     return text if len(text) <= 14 else f"..{text[-12:]}"
 
 
-def _widths() -> list[int]:
-    return [14, 5, 8, *(max(len(label), 7) for label in PART_LABELS)]
+def _line(cells: Sequence[str]) -> str:
+    """A table line: the request and mode left-aligned, the numbers right-aligned."""
+    return "  ".join(
+        c.ljust(w) if i < 2 else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, WIDTHS, strict=True))
+    )
 
 
 def table_header() -> str:
-    cells = ["request", "mode", "TTFT", *PART_LABELS]
-    widths = _widths()
     return (
-        "  ".join(
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-        + "\n"
-        + "  ".join("-" * w for w in widths)
+        _line(["request", "mode", "TTFT", *PART_LABELS]) + "\n" + _line(["-" * w for w in WIDTHS])
     )
 
 
 def table_row(b: Breakdown) -> str:
-    widths = _widths()
-    numbers = [f"{v:.2f}" for v in (b.ttft_ms, *b.parts_ms)]
-    head = [short_id(b).ljust(widths[0]), (b.mode or "-").ljust(widths[1])]
-    return "  ".join(head + [n.rjust(w) for n, w in zip(numbers, widths[2:], strict=True)])
+    return _line([short_id(b), b.mode or "-", *(f"{v:.2f}" for v in (b.ttft_ms, *b.parts_ms))])
 
 
 def format_summary(report: Report, shown: int) -> str:

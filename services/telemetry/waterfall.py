@@ -61,7 +61,6 @@ def render(
     """The waterfall of the ``last`` most recent of ``breakdowns`` (p50 row: all of them)."""
     if not breakdowns:
         raise ValueError("no breakdowns to draw")
-    assert len(PALETTE) == len(PART_NAMES) == len(PART_LABELS)
     everything = sorted(breakdowns, key=lambda b: b.start_ns)
     rows = everything[-last:] if last > 0 else everything
     medians = tuple(
@@ -144,14 +143,6 @@ def render(
     return image
 
 
-def write_png(
-    breakdowns: Sequence[Breakdown],
-    path: str | Path,
-    *,
-    last: int = DEFAULT_ROWS,
-    width: int = DEFAULT_WIDTH,
-) -> Path:
-    """Renders (see ``render``) and saves to ``path``; returns it."""
-    path = Path(path)
-    render(breakdowns, last=last, width=width).save(path, format="PNG", optimize=True)
-    return path
+def write_png(breakdowns: Sequence[Breakdown], path: str | Path) -> None:
+    """Renders (see ``render``) and saves to ``path``."""
+    render(breakdowns).save(path, format="PNG", optimize=True)

@@ -103,32 +103,27 @@ class WorkerConfig:
         engine_core = engine_core_of(self.engine_core, device)
         eager = self.enforce_eager == "on" or (self.enforce_eager == "auto" and device == "cpu")
         seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
+        # a field of both configs means the same in both; the others are resolved here
+        fields = dataclasses.fields(EngineConfig)
+        same = {f.name: getattr(self, f.name) for f in fields if hasattr(self, f.name)}
         return EngineConfig(
-            model_dir=self.model_dir,
-            max_model_len=self.max_model_len,
-            device=device,
-            gpu=self.gpu,
-            start_gate=self.start_after,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            load_format=self.load_format,
-            dtype=dtype,
-            engine_core=engine_core,
-            enforce_eager=eager,
-            engine_args=self.engine_args,
-            kv_cache_gib=self.kv_cache_gib,
-            max_num_seqs=min(seqs, self.max_inflight) if seqs else None,
-            reasoning_parser=self.reasoning_parser,
-            log_stats=self.metrics_port is not None,
-            cpu_cores=self.cpu_cores,
-            tensor_parallel_size=self.tensor_parallel_size,
-            executor=self.executor,
-            kv_transfer_config={
-                "kv_connector": connector,
-                "kv_connector_module_path": module,
-                "kv_role": "kv_producer" if prefill else "kv_consumer",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": extra,
-            },
+            **{
+                **same,
+                "device": device,
+                "start_gate": self.start_after,
+                "dtype": dtype,
+                "engine_core": engine_core,
+                "enforce_eager": eager,
+                "max_num_seqs": min(seqs, self.max_inflight) if seqs else None,
+                "log_stats": self.metrics_port is not None,
+                "kv_transfer_config": {
+                    "kv_connector": connector,
+                    "kv_connector_module_path": module,
+                    "kv_role": "kv_producer" if prefill else "kv_consumer",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": extra,
+                },
+            }
         )
 
 

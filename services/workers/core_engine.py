@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -35,48 +33,38 @@ from typing import Any
 
 import msgspec
 
-from kvpush.connector import ConnectorInfo
-from kvpush.schemas.messages import Timing
+from kvpush.connector import ConnectorInfo, EngineLink
 from kvpush.services.workers import kv_memory
 from kvpush.services.workers.engine import EngineHost
-from kvpush.services.workers.engine_config import (
-    EngineConfig,
-    engine_env,
-    engine_kwargs,
-    wait_for_gate,
-)
-from kvpush.services.workers.fanout import Answers, AnswersHost, open_request
-from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
+from kvpush.services.workers.engine_config import EngineConfig, engine_kwargs, wait_for_gate
+from kvpush.services.workers.fanout import Answers, AnswersHost
+from kvpush.services.workers.handles import EngineOutput
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
 
 
-class CoreLink:
+class CoreLink(EngineLink):
     """The connector as a driver of an engine-core process sees it (``EngineLink``'s face): the
     ranks' identities (read at start), live transfers and suspects over ``collective_rpc``.
-    Timing marks all come on the requests' outputs, so ``take_timing`` has none to add."""
+    Timing marks and P's first tokens all come on the requests' outputs: none to take here."""
 
     def __init__(self, host: CoreEngineHost) -> None:
+        super().__init__()
         self._host = host
-        self.ranks: list[ConnectorInfo] = []
-        self.connected = False
+        self.rank_infos: list[ConnectorInfo] = []  # by rank, set once the engine is built
 
     @property
-    def info(self) -> ConnectorInfo | None:
-        return self.ranks[0] if self.ranks else None
+    def connected(self) -> bool:
+        return bool(self.rank_infos)
+
+    @property
+    def ranks(self) -> list[ConnectorInfo]:
+        return self.rank_infos
 
     def pending(self) -> int:
         """Transfers some rank's transport still tracks (asks every rank)."""
-        if not self.connected:
-            return 0
-        return sum(self._host.rpc("kvpush_live_transfers"))
-
-    def last_step_idle(self) -> bool:
-        return False
-
-    def take_timing(self, transfer_id: str) -> Timing | None:
-        return None
+        return sum(self._host.rpc("kvpush_live_transfers")) if self.connected else 0
 
     def suspect_peer(self, address: str) -> None:
         """Tell every rank's decode side (without waiting) that ``address`` may be gone."""
@@ -113,53 +101,25 @@ class _FreeBlocks:
 class CoreEngineHost(AnswersHost):
     """A vLLM ``AsyncLLM`` with its engine-core process; the module docstring says how."""
 
+    thread_name = "kvpush-engine-client"
+    daemon = True
+    start_timeout_s = 900.0  # the core process compiles and captures CUDA graphs
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         # kvpush's scheduler in the engine-core process sends P's first tokens to D itself
         self.sends_first_tokens = bool(config.kv_transfer_config)
         self.link = CoreLink(self)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._engine: Any = None
-        self._num_blocks = 0
-        self._accepting = False
         self._tasks: dict[str, asyncio.Task[None]] = {}  # engine request id -> its reader
-        self.steps = 0  # engine steps reported (scheduler stats); idle ones are not told apart
-        self.idle_steps = 0
-        self.last_free_blocks = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] | None = None, timeout: float = 900.0) -> None:
-        """Start the loop thread, build the engine (its core process compiles and captures
-        graphs: ``progress`` gets a line per stage); return when ready, or raise its error."""
-        if self._thread is not None:
-            raise RuntimeError("CoreEngineHost already started")
-        env = engine_env(self.config, os.environ)
-        if self.config.cpu_cores:  # the engine-core process inherits the affinity
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self.config.cpu_cores)
-        os.environ.update(env)  # before vllm is imported: it reads some of these at import
-        report = progress or (lambda _msg: None)
-        self._thread = threading.Thread(
-            target=self._run, args=(report,), name="kvpush-engine-client", daemon=True
-        )
-        self._thread.start()
-        self._await_ready(timeout)
-
     def _run(self, report: Callable[[str], None]) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
         try:
-            loop.run_until_complete(self._build(report))
-            self._accepting = True
-        except BaseException as exc:  # start() raises it
-            self._start_error = exc
-            self._ready.set()
-            loop.close()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
+            if self._built(lambda: loop.run_until_complete(self._build(report))):
+                loop.run_forever()
         finally:
             loop.close()
 
@@ -206,8 +166,7 @@ class CoreEngineHost(AnswersHost):
         if cfg.kv_transfer_config:
             infos = await engine.collective_rpc("kvpush_rank_info", timeout=RPC_TIMEOUT_S)
             ranks = [msgspec.convert(info, ConnectorInfo) for info in infos if info is not None]
-            self.link.ranks = sorted(ranks, key=lambda info: info.rank)
-            self.link.connected = bool(ranks)
+            self.link.rank_infos = sorted(ranks, key=lambda info: info.rank)
         if memory_key and not known:  # profiled: the next start on this host need not be
             found = await engine.collective_rpc("kvpush_kv_cache_bytes", timeout=RPC_TIMEOUT_S)
             if found and all(found) and len(set(found)) == 1:
@@ -227,8 +186,7 @@ class CoreEngineHost(AnswersHost):
 
     async def _shutdown(self) -> None:
         self._accepting = False
-        for rid in sorted(self._requests):
-            self._abort(rid, "abort", "engine stopped")
+        self._abort_all("abort", "engine stopped")
         for task in list(self._tasks.values()):
             task.cancel()
         try:
@@ -240,10 +198,6 @@ class CoreEngineHost(AnswersHost):
     def free_blocks(self, timeout: float = 30.0) -> int:
         """Free blocks after the engine's last step (its scheduler stats)."""
         return self.last_free_blocks
-
-    def total_blocks(self) -> int:
-        """Usable blocks of the KV pool (vLLM's reserved null block excluded)."""
-        return max(0, self._num_blocks - 1)
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """Drop the prefix cache; False while any block is in use."""
@@ -271,58 +225,37 @@ class CoreEngineHost(AnswersHost):
             raise RuntimeError("CoreEngineHost is not running")
         self._loop.call_soon_threadsafe(command)
 
-    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
-        if (opened := open_request(handle, request, self._taken)) is None:
-            return
-        answers, params = opened
-        self._requests[answers.request_id] = answers
-        self._add_answer(answers, answers.request_id, params)
-
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
-        from vllm.inputs.engine import tokens_input
-
-        token_ids, cache_salt = answers.prompt
-        prompt = tokens_input(token_ids, cache_salt=cache_salt)
         self._answers[engine_id] = answers
         assert self._loop is not None
-        task = self._loop.create_task(self._read(answers, engine_id, prompt, params))
+        task = self._loop.create_task(self._read(answers, engine_id, params))
         self._tasks[engine_id] = task
 
-    async def _read(self, answers: Answers, engine_id: str, prompt: Any, params: Any) -> None:
+    async def _read(self, answers: Answers, engine_id: str, params: Any) -> None:
         """One answer's outputs from ``AsyncLLM.generate`` into the request's handle."""
         try:
-            async for out in self._engine.generate(prompt, params, engine_id):
+            async for out in self._engine.generate(answers.prompt, params, engine_id):
                 if self._answers.get(engine_id) is not answers:  # aborted meanwhile
                     return
-                index = answers.live[engine_id]
-                if out.finished:
-                    del self._answers[engine_id]
-                self._deliver(answers, engine_id, delta_of(out, index))
-        except asyncio.CancelledError:
-            raise
+                self._route(out)
         except Exception as exc:  # refused by vLLM's input checks, or the engine died
             if self._answers.pop(engine_id, None) is answers:
                 log.warning("answer %s failed: %s", engine_id, exc)
                 index = answers.live.get(engine_id, 0)
                 error = f"rejected: {exc}"
-                delta = EngineOutput(engine_id, [], "", "error", error, index=index)
-                delta = dataclasses.replace(delta, sequence_finish_reason="error")
+                delta = EngineOutput(
+                    engine_id, [], "", "error", error, index=index, sequence_finish_reason="error"
+                )
                 self._deliver(answers, engine_id, delta)
         finally:
             self._tasks.pop(engine_id, None)
 
-    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
-        """End a request and every answer of it in the engine."""
-        if (answers := self._requests.pop(request_id, None)) is None:
-            return
-        live, last = answers.end(reason, error)
-        for engine_id in live:
-            self._answers.pop(engine_id, None)
+    def _abort_answers(self, engine_ids: list[str]) -> None:
+        for engine_id in engine_ids:
             if (task := self._tasks.pop(engine_id, None)) is not None:
                 task.cancel()  # vLLM's generate aborts its request when cancelled
-        if live and self._loop is not None:
-            self._loop.create_task(self._engine.abort(live))
-        answers.handle._push(last)
+        assert self._loop is not None
+        self._loop.create_task(self._engine.abort(engine_ids))
 
 
 def engine_host(config: EngineConfig) -> EngineHost | CoreEngineHost:

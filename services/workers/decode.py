@@ -211,7 +211,7 @@ class DecodeWorker(Worker):
                     seq += 1
                 continue
             reason = _finish_reason(out.finish_reason or "stop")
-            error = self._error(entry, out)
+            error = _abort_error(entry) if out.finish_reason == "abort" else out.error
             late = self.host.link.take_timing(tid)  # came up in the request's last step
             marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
             fields["num_cached_tokens"] = out.num_cached_tokens
@@ -230,10 +230,6 @@ class DecodeWorker(Worker):
                 took,
             )
 
-    @staticmethod
-    def _error(entry: InFlight, out: EngineOutput) -> str | None:
-        return _abort_error(entry) if out.finish_reason == "abort" else out.error
-
     async def _send(
         self,
         event: RequestEvent,
@@ -246,11 +242,8 @@ class DecodeWorker(Worker):
     ) -> None:
         """One TokenChunk: ``fields`` (from ``chunk_fields``, ``prompt_logprobs``,
         ``num_cached_tokens``), and on the last one its end, usage and timing."""
-        usage = None
-        if finish is not None:
-            usage = Usage(
-                prompt_tokens=len(event.prompt_token_ids), completion_tokens=completion_tokens
-            )
+        prompt_tokens = len(event.prompt_token_ids)
+        usage = Usage(prompt_tokens, completion_tokens) if finish is not None else None
         chunk = TokenChunk(
             request_id=event.request_id,
             transfer_id=event.transfer_id,

@@ -36,14 +36,8 @@ from typing import Any
 
 from kvpush.connector import EngineLink, normal_dummy_weights
 from kvpush.services.workers import first_token
-from kvpush.services.workers.engine_config import (
-    EngineConfig,
-    engine_env,
-    engine_kwargs,
-    wait_for_gate,
-)
-from kvpush.services.workers.fanout import Answers, AnswersHost, open_request, refuse
-from kvpush.services.workers.handles import RequestHandle, delta_of
+from kvpush.services.workers.engine_config import EngineConfig, engine_kwargs, wait_for_gate
+from kvpush.services.workers.fanout import Answers, AnswersHost
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +50,21 @@ class EngineHost(AnswersHost):
         self.sends_first_tokens = False  # the prefill worker sends P's first tokens itself
         self._commands: queue.Queue[Any] = queue.Queue(config.max_queued_commands)  # None: stop
         self.link = EngineLink()  # the engine's connector once built (this one: none)
-        self._thread: threading.Thread | None = None
         self._send_lock = threading.Lock()  # orders sends against the final queue drain
-        self._accepting = False
-        self._engine: Any = None  # engine thread only, like the block pool
-        self._pool: Any = None
+        self._pool: Any = None  # engine thread only, like the engine
         self._scheduler: Any = None
         self._last_executed = True
         self._step_failures = 0
-        self.steps = 0  # engine steps run, and how many of them were idle
-        self.idle_steps = 0
-        self.last_free_blocks = 0  # the pool's free blocks after the last step or command
 
-    def start(self, progress: Callable[[str], None] | None = None, timeout: float = 600.0) -> None:
-        """Build the engine on the engine thread; return when ready, or raise its error."""
-        if self._thread is not None:
-            raise RuntimeError("EngineHost already started")
-        cfg = self.config
-        env = engine_env(cfg, os.environ)
-        if cfg.cpu_cores:
-            # Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (engine_env);
-            # in process the affinity set here is what pins (OpenMP threads inherit it from
-            # the engine thread).
-            env["OMP_NUM_THREADS"] = str(len(cfg.cpu_cores))
+    def _pin(self, env: dict[str, str]) -> None:
+        """Only vLLM's multiprocess executor reads VLLM_CPU_OMP_THREADS_BIND (engine_env); in
+        process the affinity set here is what pins (OpenMP threads inherit it from the engine
+        thread)."""
+        if self.config.cpu_cores:
+            env["OMP_NUM_THREADS"] = str(len(self.config.cpu_cores))
             for task in os.listdir("/proc/self/task"):
                 with contextlib.suppress(OSError):  # a thread that exited meanwhile
-                    os.sched_setaffinity(int(task), cfg.cpu_cores)
-        os.environ.update(env)  # before vllm is imported: it reads some of these at import
-        report = progress or (lambda _msg: None)
-        self._thread = threading.Thread(target=self._run, args=(report,), name="kvpush-engine")
-        self._thread.start()
-        self._await_ready(timeout)
+                    os.sched_setaffinity(int(task), self.config.cpu_cores)
 
     def _build(self, report: Callable[[str], None]) -> None:
         cfg = self.config
@@ -99,9 +77,9 @@ class EngineHost(AnswersHost):
 
         report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
         wait_for_gate(cfg, report)  # another engine on the GPU measures its free memory
-        kv_cfg = KVTransferConfig(**cfg.kv_transfer_config) if cfg.kv_transfer_config else None
         kwargs = engine_kwargs(cfg)
-        kwargs.update(kv_transfer_config=kv_cfg)
+        if cfg.kv_transfer_config:
+            kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
         engine = LLMEngine.from_engine_args(
             EngineArgs(**kwargs), usage_context=UsageContext.OPENAI_API_SERVER
         )
@@ -122,6 +100,7 @@ class EngineHost(AnswersHost):
         self._engine = engine
         self._scheduler = core.scheduler
         self._pool = core.scheduler.kv_cache_manager.block_pool
+        self._num_blocks = self._pool.num_gpu_blocks
         if cfg.tp > 1:
             # vLLM's TP embedding masks its input with a torch.compile'd helper: the first step
             # compiles it (a minute on a busy 2-core box). Do that now, not on a user's request.
@@ -156,10 +135,6 @@ class EngineHost(AnswersHost):
         (asks the engine thread; ``last_free_blocks`` is the count without waiting for it)."""
         return int(self.call(lambda _engine: self._pool.get_num_free_blocks(), timeout))
 
-    def total_blocks(self) -> int:
-        """Usable blocks of the KV pool (vLLM's reserved null block excluded)."""
-        return self._pool.num_gpu_blocks - 1 if self._pool is not None else 0  # a constant
-
     def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         """Drop the prefix cache; False (and a vLLM warning) while any block is in use."""
         return bool(self.call(lambda engine: engine.reset_prefix_cache(), timeout))
@@ -186,14 +161,8 @@ class EngineHost(AnswersHost):
     _dispatch = _send
 
     def _run(self, report: Callable[[str], None]) -> None:
-        try:
-            self._build(report)
-            self._accepting = True
-        except BaseException as exc:  # start() raises it
-            self._start_error = exc
+        if not self._built(lambda: self._build(report)):
             return
-        finally:
-            self._ready.set()
         wake = self.link.activity
         # A kvpush connector wakes us for everything a step must act on (a transfer's end, its
         # deadline, a message, an abort's timeout): idle steps would only cost CPU (and keep
@@ -234,50 +203,12 @@ class EngineHost(AnswersHost):
                 log.exception("engine command failed")
                 future.set_exception(exc)
 
-    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
-        from vllm.inputs.engine import tokens_input
-
-        if (opened := open_request(handle, request, self._taken)) is None:
-            return
-        answers, params = opened
-        token_ids, cache_salt = answers.prompt
-        try:
-            prompt = tokens_input(token_ids, cache_salt=cache_salt)
-            self._engine.add_request(answers.request_id, prompt, params)
-        except Exception as exc:
-            refuse(handle, exc)
-            return
-        self._requests[answers.request_id] = answers
-        self._answers[answers.request_id] = answers
-
     def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
-        from vllm.inputs.engine import tokens_input
-
-        token_ids, cache_salt = answers.prompt
-        self._engine.add_request(engine_id, tokens_input(token_ids, cache_salt=cache_salt), params)
+        self._engine.add_request(engine_id, answers.prompt, params)
         self._answers[engine_id] = answers
 
-    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
-        """End a request and every answer of it in the engine."""
-        if (answers := self._requests.pop(request_id, None)) is None:
-            return
-        live, last = answers.end(reason, error)
-        for engine_id in live:
-            self._answers.pop(engine_id, None)
-        try:
-            if live:
-                self._engine.abort_request(live)
-        finally:
-            answers.handle._push(last)
-
-    def _route(self, out: Any) -> None:
-        """One answer's ``RequestOutput`` to its request's handle (``_deliver``)."""
-        if (answers := self._answers.get(out.request_id)) is None:  # aborted meanwhile
-            return
-        delta = delta_of(out, answers.live[out.request_id])
-        if out.finished:
-            del self._answers[out.request_id]
-        self._deliver(answers, out.request_id, delta)
+    def _abort_answers(self, engine_ids: list[str]) -> None:
+        self._engine.abort_request(engine_ids)
 
     def _step(self) -> bool:
         """One engine step; True when it was idle (scheduled no tokens, or failed)."""
@@ -289,9 +220,7 @@ class EngineHost(AnswersHost):
         except Exception as exc:
             self._step_failures += 1
             log.exception("engine step failed; failing %s", sorted(self._requests))
-            for rid in sorted(self._requests):
-                with contextlib.suppress(Exception):
-                    self._abort(rid, "error", f"engine step failed: {exc!r}")
+            self._abort_all("error", f"engine step failed: {exc!r}")
             if self._step_failures >= 3:
                 raise  # the engine is broken: stop the host
             time.sleep(self.config.idle_wait_s)  # then retry at once (the set wake event)
@@ -309,9 +238,7 @@ class EngineHost(AnswersHost):
             self._accepting = False
         while self._run_commands():  # commands queued before the stop still run
             pass
-        for rid in sorted(self._requests):
-            with contextlib.suppress(Exception):
-                self._abort(rid, "abort", "engine stopped")
+        self._abort_all("abort", "engine stopped")
         try:
             self._engine.engine_core.shutdown()
         except Exception:

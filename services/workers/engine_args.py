@@ -38,13 +38,6 @@ OWNED: dict[str, str] = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """vLLM's parser, raising ``ConfigError`` instead of printing its usage and exiting."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        raise ConfigError(f"--engine-arg: {message}")
-
-
 def parse_engine_args(flags: Sequence[str], *, engine_core: str = "process") -> dict[str, Any]:
     """The ``EngineArgs`` keyword arguments that ``flags`` give (only those: vLLM's defaults
     stay vLLM's). Each item is one flag, with its value after ``=`` or a space (``"-O3"``,
@@ -55,8 +48,11 @@ def parse_engine_args(flags: Sequence[str], *, engine_core: str = "process") -> 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    class Parser(_Parser, FlexibleArgumentParser):
-        pass
+    class Parser(FlexibleArgumentParser):
+        """vLLM's parser, raising ``ConfigError`` instead of printing its usage and exiting."""
+
+        def error(self, message: str) -> Any:  # type: ignore[override]
+            raise ConfigError(f"--engine-arg: {message}")
 
     parser = Parser(prog="--engine-arg", add_help=False)
     EngineArgs.add_cli_args(parser)

@@ -11,18 +11,21 @@ answers). Their engine request ids are ``f"{request_id}.{i}"`` ('.' is outside t
 alphabet: no other request's id can be one of them). Every answer's deltas go to the request's
 one ``RequestHandle``, with their index; the request ends when every answer ended.
 
-Also ``AnswersHost``, what both hosts share (the answers by id, ``submit`` and ``abort``).
+Also ``AnswersHost``, what both hosts share (the start, the answers by id, ``submit``,
+``abort`` and the routing of outputs).
 
 Threading model: the host's thread or loop only (``EngineHost``'s engine thread,
-``CoreEngineHost``'s client loop), but for ``submit``/``abort``/``_await_ready``, which any
-thread may call; ``engine_params`` imports vLLM.
+``CoreEngineHost``'s client loop), but for ``start``/``submit``/``abort``, which any thread may
+call; ``engine_params`` imports vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +33,8 @@ from typing import Any
 import msgspec
 
 from kvpush.schemas.sampling import SamplingSpec
-from kvpush.services.workers.handles import EngineOutput, RequestHandle
+from kvpush.services.workers.engine_config import EngineConfig, engine_env
+from kvpush.services.workers.handles import EngineOutput, RequestHandle, delta_of
 
 log = logging.getLogger(__name__)
 FAILED = ("error", "abort")  # an answer 0 ending so before the others started: none start
@@ -65,9 +69,8 @@ def engine_params(
         known = {f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init}
         # json: the schema as text (vLLM takes str or dict); a field this vLLM's
         # StructuredOutputsParams lacks is left out (the gateway's vLLM may be another)
-        grammar = msgspec.structs.asdict(spec.structured_outputs)
-        grammar = {k: list(v) if isinstance(v, list) else v for k, v in grammar.items()}
-        grammar = {k: v for k, v in grammar.items() if k in known}
+        given = msgspec.structs.asdict(spec.structured_outputs).items()
+        grammar = {k: list(v) if isinstance(v, list) else v for k, v in given if k in known}
         fields["structured_outputs"] = StructuredOutputsParams(**grammar)
     return SamplingParams(
         **fields,
@@ -85,7 +88,7 @@ class Answers:
 
     request_id: str
     handle: RequestHandle
-    prompt: tuple[list[int], str | None]  # token ids and cache salt, for the later answers
+    prompt: Any  # vLLM's (``tokens_input``: token ids and cache salt), for every answer
     live: dict[str, int]
     later: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int | None = None
@@ -165,26 +168,87 @@ class Answers:
 
 
 class AnswersHost:
-    """What both engine hosts share (``EngineHost``, ``CoreEngineHost``): every request's
-    ``Answers`` by request id and by the engine request id of each answer, touched on the
-    host's own thread or loop only, and ``submit``/``abort``, which hand their work there
-    (``_dispatch``); the waiting for the engine's build."""
+    """What both engine hosts share (``EngineHost``, ``CoreEngineHost``): the start (the
+    engine's environment, its build on the host's thread ``_run``), every request's ``Answers``
+    by request id and by the engine request id of each answer, touched on the host's own thread
+    or loop only, and ``submit``/``abort``, which hand their work there (``_dispatch``)."""
 
-    def __init__(self, config: Any) -> None:
+    thread_name = "kvpush-engine"
+    daemon = False
+    start_timeout_s = 600.0
+
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.steps = 0  # engine steps run, and how many of them were idle
+        self.idle_steps = 0
+        self.last_free_blocks = 0  # the pool's free blocks after the last step
+        self._num_blocks = 0  # the KV pool's, once built
+        self._thread: threading.Thread | None = None
+        self._engine: Any = None  # the host's thread or loop only
+        self._accepting = False
         self._requests: dict[str, Answers] = {}  # host thread or loop only: by request id
         self._answers: dict[str, Answers] = {}  # ... and by the engine request id of each answer
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
 
+    def start(
+        self, progress: Callable[[str], None] | None = None, timeout: float | None = None
+    ) -> None:
+        """Build the engine on the host's thread (``progress`` gets a line per stage); return
+        when ready, or raise its error. Gated (``wait_for_gate``), the start waits without a
+        bound: the opener, kvpush up, bounds it, the wait included."""
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__} already started")
+        env = engine_env(self.config, os.environ)
+        self._pin(env)
+        os.environ.update(env)  # before vllm is imported: it reads some of these at import
+        report = progress or (lambda _msg: None)
+        self._thread = threading.Thread(
+            target=self._run, args=(report,), name=self.thread_name, daemon=self.daemon
+        )
+        self._thread.start()
+        timeout = timeout or self.start_timeout_s
+        if not self._ready.wait(None if self.config.start_gate else timeout):
+            raise TimeoutError(f"engine not ready after {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+
+    def total_blocks(self) -> int:
+        """Usable blocks of the KV pool (vLLM's reserved null block excluded)."""
+        return max(0, self._num_blocks - 1)
+
+    def _pin(self, env: dict[str, str]) -> None:
+        """Pin the engine to ``cpu_cores``: this thread, whose threads (the host's, and the
+        engine-core process it starts) inherit the affinity."""
+        if self.config.cpu_cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self.config.cpu_cores)
+
+    def _run(self, report: Callable[[str], None]) -> None:
+        raise NotImplementedError
+
+    def _built(self, build: Callable[[], Any]) -> bool:
+        """Run the engine's build on the host's thread; False when it failed (``start``
+        raises its error)."""
+        try:
+            build()
+            self._accepting = True
+        except BaseException as exc:
+            self._start_error = exc
+        finally:
+            self._ready.set()
+        return self._accepting
+
     def _dispatch(self, command: Callable[[], Any]) -> Any:
         """Run ``command`` on the host's thread or loop soon; RuntimeError when not running."""
         raise NotImplementedError
 
-    def _add(self, handle: RequestHandle, request: tuple[Any, ...]) -> None:
+    def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
+        """Hand one answer to the engine (its outputs then reach ``_route``)."""
         raise NotImplementedError
 
-    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
+    def _abort_answers(self, engine_ids: list[str]) -> None:
+        """End these answers in the engine."""
         raise NotImplementedError
 
     def submit(
@@ -198,28 +262,70 @@ class AnswersHost:
         """Hand a request to the engine; its outputs (or its error, as a final output) arrive on
         the handle."""
         handle = RequestHandle(request_id)
-        request = (list(prompt_token_ids), cache_salt, sampling, kv_transfer_params)
-        self._dispatch(lambda: self._add(handle, request))
+        prompt = list(prompt_token_ids)
+        self._dispatch(lambda: self._add(handle, prompt, cache_salt, sampling, kv_transfer_params))
         return handle
 
     def abort(self, request_id: str) -> None:
         """End a request now; its handle gets a final output with finish_reason "abort"."""
         self._dispatch(lambda: self._abort(request_id, "abort", None))
 
-    def _taken(self, engine_id: str) -> bool:
-        return engine_id in self._answers or engine_id in self._requests
+    def _add(
+        self,
+        handle: RequestHandle,
+        token_ids: list[int],
+        cache_salt: str | None,
+        sampling: SamplingSpec,
+        kv_params: dict[str, Any] | None,
+    ) -> None:
+        """Answer 0 to the engine, the later ones kept in the request's ``Answers``. A request
+        refused (a duplicate id, parameters vLLM refuses) ends with one "error" output."""
+        from vllm.inputs.engine import tokens_input
 
-    def _await_ready(self, timeout: float) -> None:
-        """Wait for the engine's build (gated, ``wait_for_gate``: the opener, kvpush up,
-        bounds the start, the wait included); raise its error."""
-        if not self._ready.wait(None if self.config.start_gate else timeout):
-            raise TimeoutError(f"engine not ready after {timeout} s")
-        if self._start_error is not None:
-            raise RuntimeError(f"engine build failed: {self._start_error!r}") from self._start_error
+        rid = handle.request_id
+        try:
+            ids = [child_id(rid, i) for i in range(sampling.n)]
+            if any(i in self._answers or i in self._requests for i in ids):
+                raise ValueError("duplicate request_id")
+            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
+            prompt = tokens_input(token_ids, cache_salt=cache_salt)
+            answers = Answers(rid, handle, prompt, {rid: 0}, list(enumerate(params))[1:])
+            self._add_answer(answers, rid, params[0])
+        except Exception as exc:
+            log.warning("request %s rejected: %s", rid, exc)
+            handle._push(EngineOutput(rid, [], "", "error", f"rejected: {exc}"))
+            return
+        self._requests[rid] = answers
+
+    def _abort(self, request_id: str, reason: str, error: str | None) -> None:
+        """End a request and every answer of it in the engine."""
+        if (answers := self._requests.pop(request_id, None)) is None:
+            return
+        live, last = answers.end(reason, error)
+        for engine_id in live:
+            self._answers.pop(engine_id, None)
+        try:
+            if live:
+                self._abort_answers(live)
+        finally:
+            answers.handle._push(last)
+
+    def _abort_all(self, reason: str, error: str) -> None:
+        for request_id in sorted(self._requests):
+            with contextlib.suppress(Exception):
+                self._abort(request_id, reason, error)
+
+    def _route(self, out: Any) -> None:
+        """One answer's ``RequestOutput`` to its request's handle; answer 0's first output
+        starts the later answers (its prompt KV is in the prefix cache now)."""
+        if (answers := self._answers.get(out.request_id)) is None:  # aborted meanwhile
+            return
+        delta = delta_of(out, answers.live[out.request_id])
+        if out.finished:
+            del self._answers[out.request_id]
+        self._deliver(answers, out.request_id, delta)
 
     def _deliver(self, answers: Answers, engine_id: str, delta: EngineOutput) -> None:
-        """One delta of answer ``engine_id`` to its request's handle; answer 0's first output
-        starts the later answers (its prompt KV is in the prefix cache now)."""
         answers.handle._push(answers.take(engine_id, delta))
         if answers.later and delta.index == 0:
             # only while later answers wait (n > 1): no per-token allocation otherwise
@@ -228,32 +334,3 @@ class AnswersHost:
                 answers.handle._push(last)
         if answers.handle.finished_at is not None:
             self._requests.pop(answers.request_id, None)
-
-    def _add_answer(self, answers: Answers, engine_id: str, params: Any) -> None:
-        raise NotImplementedError
-
-
-def open_request(
-    handle: RequestHandle, request: tuple[Any, ...], taken: Any
-) -> tuple[Answers, Any] | None:
-    """A new request's ``Answers`` and answer 0's ``SamplingParams``; ``request`` is (prompt
-    token ids, cache salt, ``SamplingSpec``, transfer parameters), ``taken(engine_id)`` says an
-    engine request id is in use. None once the handle got the refusal (a duplicate id,
-    parameters vLLM refuses)."""
-    token_ids, cache_salt, sampling, kv_params = request
-    rid = handle.request_id
-    try:
-        if any(taken(child_id(rid, i)) for i in range(sampling.n)):
-            raise ValueError("duplicate request_id")
-        params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
-    except Exception as exc:
-        refuse(handle, exc)
-        return None
-    later = list(enumerate(params))[1:]
-    return Answers(rid, handle, (token_ids, cache_salt), {rid: 0}, later), params[0]
-
-
-def refuse(handle: RequestHandle, exc: Exception) -> None:
-    """End a request the engine did not take: one final "error" output."""
-    log.warning("request %s rejected: %s", handle.request_id, exc)
-    handle._push(EngineOutput(handle.request_id, [], "", "error", f"rejected: {exc}"))

@@ -7,7 +7,7 @@ one after the other, and a restart pays both starts in a row. After a profiled s
 worker remembers the KV cache bytes vLLM settled on (``remember``); the next start of the
 same engine (same model, GPU, memory share, engine settings and vLLM) passes them as vLLM's
 ``kv_cache_memory_bytes`` (``remembered``), which skips the profiling, so ``kvpush up`` can
-start every engine of a GPU at once (``all_remembered``).
+start every engine of a GPU at once.
 
 The record is one small JSON file per engine key under ``$KVPUSH_CACHE/../kv-memory`` (by
 default ``~/.cache/kvpush/kv-memory``). The key holds everything the size depends on; the GPU
@@ -64,16 +64,9 @@ def gpu_identity(gpu: int | None) -> str | None:
     return lines[0] if lines else None
 
 
-def engine_key(settings: dict[str, Any], gpu: str, vllm_version: str) -> str:
-    """The key of one engine's KV size: its settings (everything that shapes its memory), the
-    GPU and the vLLM version."""
-    text = json.dumps({"settings": settings, "gpu": gpu, "vllm": vllm_version}, sort_keys=True)
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-
-
 def key_of(cfg: EngineConfig) -> str | None:
-    """The key of an engine of ``cfg``; None where nothing is remembered (not on a GPU that
-    ``nvidia-smi`` names)."""
+    """The key of an engine of ``cfg``: everything that shapes its memory, the GPU and the vLLM
+    version; None where nothing is remembered (not on a GPU that ``nvidia-smi`` names)."""
     if cfg.device != "cuda":
         return None
     gpu = gpu_identity(cfg.gpu)
@@ -82,7 +75,9 @@ def key_of(cfg: EngineConfig) -> str | None:
     settings = {name: getattr(cfg, name) for name in SHAPING}
     settings["model_dir"] = str(Path(cfg.model_dir).resolve())
     settings["kv_role"] = (cfg.kv_transfer_config or {}).get("kv_role")
-    return engine_key(json.loads(json.dumps(settings, default=list)), gpu, vllm_version())
+    key = {"settings": settings, "gpu": gpu, "vllm": vllm_version()}
+    text = json.dumps(key, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def vllm_version() -> str:

@@ -27,7 +27,6 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import FailReason, KvFailed, RequestEvent, TransferMode, WorkerRole
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.workers.first_token import first_token_of, prefill_sampling
-from kvpush.services.workers.handles import EngineOutput
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.worker import Worker, run_worker
 
@@ -71,7 +70,9 @@ class PrefillWorker(Worker):
             pass
         sent = self.host.sends_first_tokens  # process mode: P's engine core sent it to D
         if samples_first and not sent and final is not None and final.token_ids and not final.error:
-            await self._send_first_token(event, final)
+            # the token this prefill sampled, to D, which continues the answer from it
+            token = first_token_of(tid, self.worker_id, event.decode_id, final)
+            await self.bus.publish(subjects.kv_done(event.decode_id), token, span=False)
         if final is not None and final.error and final.error.startswith(REJECTED):
             # The connector never saw this request, so nothing of it is in flight: tell D.
             await self.refuse(event, FailReason.PREFILL, final.error)
@@ -80,11 +81,6 @@ class PrefillWorker(Worker):
         else:
             took = (handle.finished_at or 0.0) - handle.submitted_at
             log.info("prefilled rid=%s tid=%s in %.3f s", rid, tid, took)
-
-    async def _send_first_token(self, event: RequestEvent, final: EngineOutput) -> None:
-        """The token this prefill sampled, to D, which continues the answer from it."""
-        token = first_token_of(event.transfer_id, self.worker_id, event.decode_id, final)
-        await self.bus.publish(subjects.kv_done(event.decode_id), token, span=False)
 
     async def refuse(self, event: RequestEvent, reason: FailReason, detail: str = "") -> None:
         log.warning(

@@ -7,8 +7,10 @@ CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (tran
 ``InFlight``, inflight.py; the engine request id *is* the transfer id), heartbeats on
 ``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` and the worker's entry in the JetStream
 KV bucket of ``registry`` (key ``<role>.<id>``, value: the last heartbeat; the bucket's TTL
-drops a worker that stopped beating). ``PrefillWorker`` / ``DecodeWorker`` add what a request
-means for their role (``serve``, ``refuse``).
+drops a worker that stopped beating), and with ``--metrics-port`` vLLM's own engine metrics
+(the ``vllm:*`` series its engine records in this process) on ``http://HOST:PORT/metrics``.
+``PrefillWorker`` / ``DecodeWorker`` add what a request means for their role (``serve``,
+``refuse``).
 
 Lifecycle (every kvpush service has this shape): ``setup`` (bus, engine, registry) -> ``start``
 (subscriptions, heartbeats) -> run until SIGTERM/SIGINT -> ``drain`` (heartbeat draining=True,
@@ -19,7 +21,8 @@ Threading model: one asyncio loop on the main thread runs bus handlers, one task
 the heartbeat task; the engine host runs the engine on its own thread (``EngineHost``:
 ``kvpush-engine``, the connector's worker half too; ``CoreEngineHost``: vLLM's client on
 ``kvpush-engine-client``, the engine in its own process) and feeds request outputs back; the
-connector keeps its own NATS connection on its ``kvpush-bus`` thread. Bounds: at most
+connector keeps its own NATS connection on its ``kvpush-bus`` thread, prometheus_client's
+metrics server runs on its own daemon thread. Bounds: at most
 ``max_inflight`` requests (past it the role's ``refuse`` answers at once), the abort memory
 holds ``ABORT_MEMORY`` transfer ids.
 """
@@ -36,6 +39,7 @@ import time
 from typing import Any, ClassVar
 
 from nats.aio.subscription import Subscription
+from prometheus_client import start_http_server
 
 from kvpush.connector import (
     BoundedDict,
@@ -58,7 +62,6 @@ from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
 from kvpush.services.workers.inflight import InFlight
-from kvpush.services.workers.metrics import EngineMetricsServer
 from kvpush.services.workers.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -84,12 +87,11 @@ class Worker:
         self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
-        self._metrics: EngineMetricsServer | None = None  # --metrics-port
+        self._metrics: Any = None  # --metrics-port: prometheus_client's HTTP server
         self._inflight: dict[str, InFlight] = {}
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._free_blocks = 0
         self._draining = False
         self._closing = False  # cleanup began: the heartbeat loop ends
         self._stop = asyncio.Event()
@@ -128,13 +130,13 @@ class Worker:
         log.info(
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
-        if cfg.metrics_port is not None:
-            self._metrics = EngineMetricsServer(cfg.side_channel_host, cfg.metrics_port)
-            log.info("engine metrics (vllm:*) at %s", self._metrics.url)
+        if cfg.metrics_port is not None:  # what vLLM's engine records (stats on) in this process
+            self._metrics, _ = start_http_server(cfg.metrics_port, addr=cfg.side_channel_host)
+            host, port = self._metrics.server_address[:2]
+            log.info("engine metrics (vllm:*) at http://%s:%d/metrics", host, port)
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
         self.side_channels = [info.side_channel for info in self.host.link.ranks]
         self.side_channel = self.side_channels[0] if self.side_channels else ""
-        self._free_blocks = self.host.total_blocks()
         self._registry = await Registry.open(self.bus, cfg.registry_ttl_s, cfg.registry_replicas)
         log.info(
             "%s %s ready in %.1f s: model %s, %d blocks, side channel %s, cores %s",
@@ -142,7 +144,7 @@ class Worker:
             cfg.worker_id,
             time.monotonic() - started,
             cfg.model_name,
-            self._free_blocks,
+            self.host.total_blocks(),
             self.side_channel,
             cfg.cpu_cores or "all",
         )
@@ -197,7 +199,8 @@ class Worker:
                 await asyncio.wait_for(self._registry.delete(self.role, self.worker_id), 5.0)
         await asyncio.to_thread(self.host.stop)
         if self._metrics is not None:
-            self._metrics.stop()
+            self._metrics.shutdown()
+            self._metrics.server_close()
         if self._bus is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._bus.drain(), 5.0)
@@ -328,7 +331,9 @@ class Worker:
             side_channels=self.side_channels,
             in_flight=len(self._inflight),
             queue_depth=waiting,
-            free_blocks=self._free_blocks,
+            # what the engine left after its last step: a long step (the first ones of a TP
+            # engine take seconds on a busy CPU) must not hold the beat past the lease
+            free_blocks=self.host.last_free_blocks,
             total_blocks=self.host.total_blocks(),
             sent_at_ms=now_ms(),
             draining=self._draining,
@@ -345,9 +350,6 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _beat(self) -> None:
-        # The count the engine thread left after its last step: a long step (the first ones of
-        # a TP engine take seconds on a busy CPU) must not hold the beat past the lease.
-        self._free_blocks = self.host.last_free_blocks
         beat = self.heartbeat()
         try:
             await self.bus.publish(subjects.heartbeat(self.role, self.worker_id), beat, span=False)

@@ -113,7 +113,7 @@ def secure_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureNats
     )  # safe_: "$JS.API.>" and "$KV.>" are NATS subjects, not placeholders
     assert "$NATS_" not in rendered and '_PASSWORD"' not in rendered
     conf.write_text(rendered)
-    server = EmbeddedNats(jetstream=False, config_file=conf)  # the file turns JetStream on
+    server = EmbeddedNats(jetstream=False, extra_args=("-c", str(conf)))  # it turns JetStream on
     server.start()
     try:
         yield SecureNats(server, f"tls://127.0.0.1:{server.port}", ca, password, observer)

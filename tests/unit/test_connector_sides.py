@@ -256,7 +256,7 @@ def test_push_start_is_hinted_and_decode_then_polls_its_rank_at_full_rate() -> N
     assert (hint.transfer_id, hint.decode_id, hint.rank, hint.tp) == (TID, "d0", 0, 1)
     drec = Recorder()
     dside, _ = decode_side(drec)
-    dside.on_pushed("", KvPushing(transfer_id=TID, prefill_id="p0", decode_id="d0"))
+    dside.on_bus("", KvPushing(transfer_id=TID, prefill_id="p0", decode_id="d0"))
     assert drec.names()[-1] == "hurry"
 
 

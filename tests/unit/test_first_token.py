@@ -112,7 +112,7 @@ def test_a_landed_receive_is_reported_once_prefill_s_token_came_and_takes_it_up(
     side, _, woken = decode()
     side.on_work(asking())
     assert side.collect([DONE]) == (set(), {})  # the KV is in, the token is not
-    side.on_pushed("", token(finish_reason=FinishReason.STOP, stop_reason=9))
+    side.on_bus("", token(finish_reason=FinishReason.STOP, stop_reason=9))
     assert woken  # the driver steps at once to report it
     assert side.collect([]) == ({"r0"}, {})
     assert side.take_first_tokens() == {"r0": PrefillToken(42, "stop", 9)}
@@ -121,7 +121,7 @@ def test_a_landed_receive_is_reported_once_prefill_s_token_came_and_takes_it_up(
 
 def test_a_token_before_the_request_is_kept_for_it() -> None:
     side, _, _ = decode()
-    side.on_pushed("", token())  # P's service was quicker than D's engine
+    side.on_bus("", token())  # P's service was quicker than D's engine
     side.on_work(asking(ReceiveKind.PULL, PULL))
     assert side.collect([DONE]) == ({"r0"}, {})
     assert side.take_first_tokens() == {"r0": PrefillToken(42)}
@@ -137,7 +137,7 @@ def test_without_prefill_s_token_the_receive_is_reported_after_the_wait() -> Non
 def test_a_failed_receive_never_waits_and_carries_no_token() -> None:
     side, _, _ = decode()
     side.on_work(asking())
-    side.on_pushed("", token())
+    side.on_bus("", token())
     side.on_bus(
         "", KvFailed(transfer_id=TID, prefill_id="p0", decode_id="d0", reason=FailReason.POST)
     )
@@ -163,7 +163,7 @@ def test_late_word_from_prefill_on_a_landed_receive_changes_nothing() -> None:
     refusal = KvFailed(transfer_id=TID, prefill_id="p0", decode_id="d0", reason=FailReason.POST)
     side.on_bus("", refusal)  # e.g. a KvFailed that crossed the notice
     assert not rec.messages(Abort)  # no abort sent for KV that already landed
-    side.on_pushed("", token())
+    side.on_bus("", token())
     assert side.collect([]) == ({"r0"}, {})
     assert side.take_first_tokens() == {"r0": PrefillToken(42)}
 
@@ -172,7 +172,7 @@ def test_a_late_token_of_a_prompt_decode_computes_itself_is_dropped() -> None:
     side, _, _ = decode()
     params = TransferParams(TID, "p0", "d0", PUSH, first_token_from_prefill=True)
     side.on_work([DecodeWork(ReceiveKind.LOCAL, "r0", params)])
-    side.on_pushed("", token())
+    side.on_bus("", token())
     assert TID not in side._early and not side._by_tid
 
 

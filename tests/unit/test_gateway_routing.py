@@ -100,7 +100,7 @@ def test_registry_is_bounded(clock: Clock) -> None:
     assert registry.counts()["decode"] == 2 and registry.stats.rejected == 1
     clock.now += 5
     registry.observe(beat(D, "c"))
-    assert [w["worker_id"] for w in registry.describe()] == ["c"]
+    assert [s.heartbeat.worker_id for s in registry.alive(D)] == ["c"]
 
 
 def test_modes_local_threshold_and_request_override(registry: WorkerRegistry) -> None:
