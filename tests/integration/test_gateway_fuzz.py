@@ -179,9 +179,10 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
     assert ran == {f"{method} {path}" for method, path in served_routes(s)}, statuses
     # Schema-valid cases mostly get vLLM's 400 for what JSON Schema can not say (its request
     # models' cross-field rules: prompt or prompt_embeds, structured outputs, logprob bounds,
-    # the chat template's roles); some are served (these counts are of this derandomized run).
-    for path, least in ((COMPLETIONS, 1), (CHAT, 5)):
-        assert statuses[f"POST {path} positive", 200] >= least, statuses
+    # the chat template's roles); some are served. How many depends on the generated cases,
+    # which vary with the served model's name (its path) even in a derandomized run.
+    for path in (COMPLETIONS, CHAT):
+        assert statuses[f"POST {path} positive", 200] >= 1, statuses
         # Invalid ones get 400, or 404 model_not_found when only the model breaks the schema's
         # enum (checked per case in run_operation): the body is parsed before the model lookup.
         label = f"POST {path} negative"
