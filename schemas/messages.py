@@ -336,6 +336,8 @@ class WorkerHeartbeat(_Message):
     draining: bool = False
     side_channels: Annotated[list[Address], Meta(max_length=MAX_TP)] = []  # by rank
     sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
+    # the worker's lease: silent this long, it is gone (0: the watcher's default)
+    lease_ms: Count = 0
 
 
 # every bus message, in the order defined above

@@ -1,19 +1,22 @@
 """Membership: the one view of which workers are alive, shared by the gateway, prefill and decode.
 
 Every worker publishes a ``WorkerHeartbeat`` on ``kvpush.v1.heartbeat.<role>.<id>`` every
-``heartbeat_s``; a ``Membership`` fed with those heartbeats (``observe``) and ticked on a timer
-(``tick``, every ``lease_s / 4``) holds one ``Member`` per (role, worker id). A member is
-``ALIVE`` while its heartbeats arrive within ``lease_s`` (default 2 s: the gap of one lost
-heartbeat after a kill is noticed in at most ``lease_s`` plus one tick), ``DRAINING`` while its
-heartbeats say so (it finishes what it holds; it takes no new work), and ``GONE`` once its lease
-expired or a heartbeat with a higher epoch (a restart) replaced it. Each transition calls the
-listeners once: ``joined`` (a new member, or a new epoch), ``left`` (the member is gone; its
-reason says why). Peers release what a gone member held from ``left``: the gateway fails or
-moves the requests routed to it, decode fails what a dead P was sending it (its side channel is
-suspected at once), prefill drops what it was pushing into a dead D. A heartbeat of an older
-epoch than the member's is a late one of a previous incarnation and is ignored; a heartbeat of
-the same epoch after ``GONE`` (a worker stopped past its lease, then resumed) does not bring the
-member back: its work was released, so it must restart (a new epoch) to be used again.
+``--heartbeat-s`` (0.5 s) and states its lease in it (``lease_ms``: ``--lease-s``, 2 s). A
+``Membership`` fed with those heartbeats (``observe``; at start also with the JetStream
+registry's last ones, aged by their ``sent_at_ms``) and ticked on a timer (``tick``, every
+quarter of its default lease) holds one ``Member`` per (role, worker id). A member is ``ALIVE``
+while its heartbeats arrive within its lease, ``DRAINING`` while its heartbeats say so (it
+finishes what it holds; it takes no new work), and ``GONE`` once its lease ran out, its worker
+deregistered, or a heartbeat with a higher epoch (a restart) replaced it. A kill is noticed
+within the lease plus one tick. Each transition calls the listeners once: ``joined`` (a new
+member, a new epoch, or a gone one heard again), ``left`` (the member is gone; its reason says
+why). Peers release what a gone member held from ``left``: the gateway moves or fails the
+requests routed to it, decode fails what a dead P was sending it (its side channel is probed at
+once), prefill aborts what it was pushing into a dead D. A heartbeat of an older epoch than the
+member's is a late one of a previous incarnation and is ignored. A heartbeat of the same epoch
+after ``GONE`` (a worker stopped past its lease, or cut off from the bus, then back) joins
+again as a new member: what it held was released on the peers, and the worker itself aborts
+what it held when it finds its own heartbeats stalled past its lease (``worker.py``).
 
 Threading model: not thread-safe; one asyncio loop calls ``observe`` (the bus handler) and
 ``tick`` (the owner's timer task); listeners run inline and must not block.
@@ -61,6 +64,15 @@ class Member:
     state: MemberState = MemberState.ALIVE
     left_because: LeaveReason | None = None
 
+    def lease_s(self, default: float) -> float:
+        """The lease the member's heartbeats state, or ``default`` when they state none."""
+        return self.heartbeat.lease_ms / 1000 if self.heartbeat.lease_ms else default
+
+    @property
+    def why(self) -> str:
+        """Why it left ("" while it is a member)."""
+        return self.left_because.value if self.left_because is not None else ""
+
     @property
     def key(self) -> tuple[WorkerRole, str]:
         return self.heartbeat.role, self.heartbeat.worker_id
@@ -99,6 +111,7 @@ class Membership:
         self.lease_s, self.roles, self.max_members = lease_s, roles, max_members
         self.listeners = Listeners()
         self.rejected = 0  # heartbeats of members past max_members
+        self.rejoined = 0  # gone members heard again with the same epoch
         self._clock = clock
         self._members: dict[tuple[WorkerRole, str], Member] = {}
 
@@ -107,33 +120,38 @@ class Membership:
         """How often the owner calls ``tick``: a quarter of the lease."""
         return self.lease_s / 4
 
-    def observe(self, beat: WorkerHeartbeat) -> None:
-        """A heartbeat arrived (the bus handler's call)."""
+    def observe(self, beat: WorkerHeartbeat, age_s: float = 0.0) -> Member | None:
+        """A heartbeat arrived (the bus handler's call), sent ``age_s`` ago (a registry entry's
+        age); the member it keeps alive, or None (ignored)."""
         if beat.role not in self.roles:
-            return
-        now = self._clock()
+            return None
+        now = self._clock() - max(0.0, age_s)
         key = (beat.role, beat.worker_id)
         member = self._members.get(key)
         if member is not None and beat.epoch < member.heartbeat.epoch:
-            return  # a late heartbeat of a previous incarnation
+            return None  # a late heartbeat of a previous incarnation
+        if member is not None and now - member.seen_at > member.lease_s(self.lease_s):
+            self._leave(member, LeaveReason.EXPIRED)  # before this beat (no tick in between)
         if member is not None and beat.epoch == member.heartbeat.epoch:
-            if member.state is MemberState.GONE:
-                return  # stopped past its lease: its work was released; it must restart
-            member.heartbeat, member.seen_at = beat, now
-            member.move(MemberState.DRAINING if beat.draining else MemberState.ALIVE)
-            return
-        if member is not None:  # a higher epoch: the old incarnation is gone
+            if member.state is not MemberState.GONE:
+                member.heartbeat, member.seen_at = beat, max(member.seen_at, now)
+                member.move(MemberState.DRAINING if beat.draining else MemberState.ALIVE)
+                return member
+            self.rejoined += 1  # stopped past its lease, or cut off: what it held was released
+        elif member is not None:  # a higher epoch: the old incarnation is gone
             self._leave(member, LeaveReason.RESTARTED)
         elif len(self._members) >= self.max_members:
+            self.tick()
             self._forget_gone()
             if len(self._members) >= self.max_members:
                 self.rejected += 1
-                return
+                return None
         state = MemberState.DRAINING if beat.draining else MemberState.ALIVE
         member = self._members[key] = Member(beat, now, state)
         log.info("worker %s/%s joined (epoch %d)", beat.role.value, beat.worker_id, beat.epoch)
         for call in self.listeners.joined:
             call(member)
+        return member
 
     def deregister(self, role: WorkerRole, worker_id: str) -> None:
         """The worker said it stopped (its registry key was deleted)."""
@@ -145,8 +163,13 @@ class Membership:
         """Expire the members whose lease ran out (the owner's timer calls it every ``tick_s``)."""
         now = self._clock()
         for member in list(self._members.values()):
-            if member.state is not MemberState.GONE and now - member.seen_at > self.lease_s:
+            lease = member.lease_s(self.lease_s)
+            if member.state is not MemberState.GONE and now - member.seen_at > lease:
                 self._leave(member, LeaveReason.EXPIRED)
+
+    def member(self, role: WorkerRole, worker_id: str) -> Member | None:
+        """The member of that id (gone ones too, until forgotten)."""
+        return self._members.get((role, worker_id))
 
     def _leave(self, member: Member, reason: LeaveReason) -> None:
         if not member.move(MemberState.GONE, reason):

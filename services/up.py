@@ -6,9 +6,11 @@ random-weight model, built once into the kvpush cache, or --model DIR), --prefil
 of each on two cores, P on core 0 and D on core 1; with --tp N a worker has N ranks, a process
 each, and N cores), and the OpenAI-compatible gateway on
 127.0.0.1:8000. A line is printed for each worker once it is ready (its first heartbeat), then
-the URL and a curl example. Ctrl-C (SIGINT) or SIGTERM stops everything: the gateway first,
-then the workers (each drains: requests in flight finish), then nats-server. A second Ctrl-C
-kills at once. Logs of the children: --log-dir (default ~/.cache/kvpush/logs).
+the URL and a curl example. A worker that exits is started again (after 1 s, doubled for each
+restart in a row, up to 30 s) while the others serve. Ctrl-C (SIGINT) or SIGTERM stops
+everything: the gateway first, then the workers (each drains: requests in flight finish), then
+nats-server. A second Ctrl-C kills at once. Logs of the children: --log-dir (default
+~/.cache/kvpush/logs).
 
 This module owns the stack's child processes (each an ``up_child.Child``) and the order they
 start and stop in. Threading model: one asyncio loop on the main thread (heartbeat
@@ -43,6 +45,10 @@ from kvpush.services.settings import ConfigError
 from kvpush.services.up_child import Child, gpus_started_together
 from kvpush.services.up_config import UpConfig
 from kvpush.services.workers import config as worker_config
+
+RESTART_BACKOFF_S = 1.0  # a worker that exited starts again after this long ...
+RESTART_MAX_BACKOFF_S = 30.0  # ... doubled per restart in a row, up to this
+RESTART_RESET_S = 60.0  # a worker that ran this long starts again after the first backoff
 
 
 def free_port() -> int:
@@ -267,17 +273,37 @@ class Stack:
 
     async def watch(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (0) or the gateway exits on its own (1). A worker that
-        exits is reported; the others keep serving (the gateway's /ready tells what is left)."""
-        reported: set[str] = set()
+        fails (a status other than 0: killed, crashed) is reported and started again (a new
+        epoch: its peers and the gateway released what it held), after ``RESTART_BACKOFF_S``
+        doubled for each restart in a row that did not last ``RESTART_RESET_S``; one that
+        stopped cleanly (drained on SIGTERM: status 0) is reported and left stopped."""
+        due: dict[str, float] = {}  # worker -> when to start it again
+        reported: set[int] = set()  # processes whose end was reported
         while not stop.is_set():
-            for child in self.children:
-                if child.exited is None or child.name in reported:
+            if self.gateway is not None and self.gateway.exited is not None:
+                say(f"gateway exited with status {self.gateway.exited}")
+                return 1
+            now = time.monotonic()
+            for child in self.workers:
+                proc = child.proc
+                if child.exited is None or proc is None or proc.pid in reported:
                     continue
-                reported.add(child.name)
-                tail = f"; the end of {child.log_path}:\n{child.tail()}" if child.exited else ""
-                say(f"{child.name} exited with status {child.exited}{tail}")
-                if child is self.gateway:
-                    return 1
+                reported.add(proc.pid)
+                if child.exited == 0:
+                    say(f"{child.name} exited with status 0")
+                    continue
+                if now - child.started_at > RESTART_RESET_S:
+                    child.restarts = 0
+                backoff = min(RESTART_BACKOFF_S * 2**child.restarts, RESTART_MAX_BACKOFF_S)
+                due[child.name] = now + backoff
+                say(f"{child.name} exited with status {child.exited}; starting it again in"
+                    f" {backoff:.0f} s; the end of {child.log_path}:\n{child.tail()}")  # fmt: skip
+            for child in self.workers:
+                if child.name in due and now >= due[child.name]:
+                    del due[child.name]
+                    child.restarts += 1
+                    child.start()
+                    say(f"{child.name} started again (restart {child.restarts})")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         return 0

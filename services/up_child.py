@@ -50,10 +50,11 @@ class Child:
     started_at: float = 0.0  # its start, or (gated) when its gate opened: its turn on the GPU
     ready_s: float | None = None
     metrics_url: str = ""  # a worker's vllm:* engine metrics
+    restarts: int = 0
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab" if self.restarts else "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,

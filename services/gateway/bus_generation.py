@@ -8,8 +8,22 @@ open a token stream -> publish ONE RequestEvent on ``req.<P>.<D>`` inside the ha
 the final one. Deadlines: ``request_timeout_s`` from the start to the first chunk (the
 RequestEvent's ``deadline_ms``: the KV transfer's too), then ``stream_idle_timeout_s`` between
 chunks; an answer has no total deadline. A worker error is ``ApiError`` 502, a deadline 504, a
-lost decode worker 502, a stream overflow 503; the error is also left on the ``RequestContext``
-so the handler can answer with its status when nothing was sent yet. Whenever a request ends
+stream overflow 503; the error is also left on the ``RequestContext`` so the handler can answer
+with its status when nothing was sent yet.
+
+Migration: a decode worker that dies (or restarts) under a request is noticed within its lease
+(membership); the request then moves to another decode worker, at most ``--migration-limit``
+times: a new transfer id, a fresh route (through a prefill worker when one is alive, else
+local) and one RequestEvent whose prompt is the original prompt plus every token the client was
+sent, asking for the tokens still owed (``max_tokens`` and ``min_tokens`` less those sent). The
+client's stream goes on with no token repeated or missing; under greedy sampling it equals an
+unbroken run. It stays a 502 with no other decode worker alive, past the limit, for ``n`` > 1
+or prompt log-probabilities (answers D keeps), and with stop strings once tokens were sent (D
+holds back text that may begin a stop string: it would be lost). A prefill worker that dies
+before the first token moves the request the same way (to another prefill worker, or local);
+its decode worker's own fallback (computing the prompt when P's side channel is dead) covers a
+request the gateway cannot move. Each move is counted in the span's ``kvpush.migrations`` and
+in ``kvpush_gateway_migrations{lost=decode|prefill}``. Whenever a request ends
 before its final chunk (client gone, deadline, decode worker lost or restarted, overflow,
 gateway stopping) it publishes ``Abort(transfer_id, sender=gateway_id)`` to P (when P takes
 part) and to D; after a worker error, to P only.
@@ -32,12 +46,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import nats.errors
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from kvpush.schemas import subjects
-from kvpush.schemas.messages import FinishReason, RequestEvent, Timing, TokenChunk, TransferMode
+from kvpush.schemas.messages import (
+    FinishReason,
+    RequestEvent,
+    Timing,
+    TokenChunk,
+    TransferMode,
+    WorkerRole,
+)
 from kvpush.services.gateway.errors import ApiError
 from kvpush.services.gateway.observe import FinishedRequest
 from kvpush.services.gateway.routing import NoWorkerError, first_token_by
@@ -118,6 +140,12 @@ class BusGeneration:
         self.abort_reason = "client disconnected"
         self.completion_tokens = self.prompt_tokens = 0
         self.route: Route | None = None
+        self.prompt_ids: list[int] = []
+        self.sampling: SamplingSpec | None = None
+        self.streamed = False
+        self.sent_ids: list[int] = []  # the answer's tokens received (n = 1), for a migration
+        self.migrations = 0
+        self.tokens_before = 0  # completion tokens sent before the last migration
 
     def _fail(self, error: ApiError) -> ApiError:
         if self.context.error is None:
@@ -126,19 +154,33 @@ class BusGeneration:
 
     async def start(self, ids: list[int], sampling: SamplingSpec, stream: bool) -> None:
         """Route and publish; ApiError 503 when no worker can take it, 413 when too large."""
+        self.prompt_ids, self.sampling, self.streamed = ids, sampling, stream
+        self.prompt_tokens = len(ids)
+        await self._dispatch(ids, sampling, self.arrived)
+        self.published_ns = time.time_ns()
+        self.gw.metrics.prompt_tokens.inc(len(ids))
+
+    async def _dispatch(self, ids: list[int], sampling: SamplingSpec, since: float) -> None:
+        """Route, open the stream and publish one RequestEvent (the first, or a migration's);
+        its first chunk is due ``request_timeout_s`` after ``since``."""
         gw, config = self.gw, self.gw.config
         mode = self.context.mode
         if sampling.prompt_logprobs is not None:
             mode = TransferMode.LOCAL  # they need the prompt's logits: D computes the prompt
         with _tracer.start_as_current_span("gateway.route"):
             try:
-                route = gw.router.route(len(ids), mode)
+                try:
+                    route = gw.router.route(len(ids), mode)
+                except NoWorkerError as exc:
+                    if not (self.migrations and exc.role is WorkerRole.PREFILL):
+                        raise
+                    route = gw.router.route(len(ids), TransferMode.LOCAL)  # moved: not a 503
             except NoWorkerError as exc:
                 raise self._fail(
                     ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
                 ) from None
-        self.route, self.prompt_tokens = route, len(ids)
-        self.deadline = self.arrived + config.request_timeout_s
+        self.route = route
+        self.deadline = since + config.request_timeout_s
         event = RequestEvent(
             transfer_id=self.transfer_id,
             request_id=self.request_id,
@@ -150,7 +192,7 @@ class BusGeneration:
             deadline_ms=int((time.time() + config.request_timeout_s) * 1000),
             sampling=sampling,
             mode=route.mode,
-            stream=stream,
+            stream=self.streamed,
             first_token_by=first_token_by(config.first_token, route, sampling),
         )
         self.context.span.set_attributes(
@@ -159,7 +201,7 @@ class BusGeneration:
                 "gen_ai.request.max_tokens": sampling.max_tokens,
                 "gen_ai.request.temperature": sampling.temperature,
                 "gen_ai.request.top_p": sampling.top_p,
-                "gen_ai.usage.input_tokens": len(ids),
+                "gen_ai.usage.input_tokens": self.prompt_tokens,
                 "kvpush.request_id": self.request_id,
                 "kvpush.transfer_id": self.transfer_id,
                 "kvpush.mode": route.mode.value,
@@ -169,12 +211,50 @@ class BusGeneration:
         )
         log.debug("request %s transfer %s -> %s", self.request_id, self.transfer_id, route)
         self.stream = gw.streams.open(self.request_id, self.transfer_id)
-        self.first_byte = _tracer.start_span("gateway.first_byte")
+        if not self.migrations:
+            self.first_byte = _tracer.start_span("gateway.first_byte")
         await self._publish(event)
-        self.published_ns = time.time_ns()
         gw.observer.track(self.transfer_id, route.mode.value)
         gw.metrics.routed.labels(route.mode.value).inc()
-        gw.metrics.prompt_tokens.inc(len(ids))
+
+    def _can_migrate(self) -> bool:
+        spec = self.sampling
+        return (
+            spec is not None
+            and self.migrations < self.gw.config.migration_limit
+            and spec.n == 1
+            and spec.prompt_logprobs is None
+            and not (spec.stop and self.sent_ids)
+            and len(self.sent_ids) < spec.max_tokens
+            and bool(self.gw.router.registry.alive(WorkerRole.DECODE))
+        )
+
+    async def _migrate(self, role: WorkerRole) -> None:
+        """Move the request off its lost ``role`` worker (see the module docstring)."""
+        gw, lost, spec = self.gw, self.route, self.sampling
+        assert lost is not None and spec is not None
+        self.migrations += 1
+        gw.metrics.migrations.labels(role.value).inc()
+        log.warning(
+            "%s worker %s lost under %s after %d token(s): migration %d",
+            role.value,
+            lost.decode_id if role is WorkerRole.DECODE else lost.prefill_id,
+            self.request_id,
+            len(self.sent_ids),
+            self.migrations,
+        )
+        gw.spawn(gw.abort(lost, self.transfer_id, "decode worker lost: migrated", decode=True))
+        gw.streams.close(self.request_id)
+        self.transfer_id = secrets.token_urlsafe(16)
+        done = self.tokens_before = len(self.sent_ids)
+        owed = msgspec.structs.replace(
+            spec, max_tokens=spec.max_tokens - done, min_tokens=max(0, spec.min_tokens - done)
+        )
+        span = self.context.span
+        span.set_attribute("kvpush.migrations", self.migrations)
+        span.add_event("kvpush.migrated", {"kvpush.lost": role.value, "tokens": done})
+        since = self.loop.time()
+        await self._dispatch([*self.prompt_ids, *self.sent_ids], owed, since)
 
     def finish(self) -> None:
         """The request is over (answered, failed or abandoned): abort what still runs."""
@@ -253,7 +333,12 @@ class BusGeneration:
             try:
                 chunk = await self.stream.next(min(remaining, LIVENESS_POLL_S))
             except asyncio.TimeoutError:
-                if not self.gw.router.still_serving(self.route):
+                lost = self.gw.router.lost(self.route)
+                # P matters until the first token: past it, D has all it needs of P
+                movable = lost is WorkerRole.DECODE or self.first_at is None
+                if lost is not None and movable and self._can_migrate():
+                    await self._migrate(lost)
+                elif lost is WorkerRole.DECODE:
                     self.abort_reason = "decode worker lost"
                     message = f"decode worker {self.route.decode_id} was lost or restarted"
                     raise self._fail(ApiError(502, message, type_="worker_error")) from None
@@ -268,6 +353,10 @@ class BusGeneration:
         self.deadline = self.loop.time() + self.gw.config.stream_idle_timeout_s
         new = len(chunk.token_ids) + sum(len(o.token_ids) for o in chunk.outputs or [])
         self.completion_tokens += new
+        if self.sampling is not None and self.sampling.n == 1:
+            self.sent_ids += chunk.token_ids
+            for output in chunk.outputs or []:
+                self.sent_ids += output.token_ids
         if new or chunk.text or chunk.outputs:
             self._first_byte()
         if chunk.finish_reason is not None:
@@ -287,7 +376,7 @@ class BusGeneration:
                 self.loop.time() - self.arrived
             )
             if chunk.usage is not None:
-                self.completion_tokens = chunk.usage.completion_tokens
+                self.completion_tokens = self.tokens_before + chunk.usage.completion_tokens
             self.context.span.set_attribute(
                 "gen_ai.response.finish_reasons", [chunk.finish_reason.value]
             )

@@ -159,7 +159,14 @@ SETTINGS: tuple[Setting, ...] = (
         "worker_lease_s",
         ("--worker-lease-s",),
         float,
-        "a worker without heartbeat this long is dead (default 3)",
+        "a worker silent this long is gone, where its heartbeats state no lease (default 2)",
+    ),
+    Setting(
+        "migration_limit",
+        ("--migration-limit",),
+        int,
+        "how many times a request whose decode worker died moves to another one, continuing"
+        " from its prompt and the tokens already sent (default 3; 0: it fails with 502)",
     ),
     Setting(
         "max_body_bytes",
@@ -225,7 +232,8 @@ class GatewayConfig:
     required_roles: tuple[WorkerRole, ...] = (WorkerRole.PREFILL, WorkerRole.DECODE)
     stream_idle_timeout_s: float = 300.0  # first token on: the longest gap between tokens
     api_keys: tuple[str, ...] = ()
-    worker_lease_s: float = 3.0  # a worker is alive while heartbeats arrive within this
+    worker_lease_s: float = 2.0  # the lease of workers whose heartbeats state none
+    migration_limit: int = 3  # moves of one request to another decode worker
     max_body_bytes: int = 8 * 1024 * 1024
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails
     shutdown_grace_s: float = 30.0
@@ -244,8 +252,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be > 0")
         if WorkerRole.DECODE not in self.required_roles:
             raise ConfigError("--required-roles must include decode: decode answers every request")
-        if self.max_queued < 0:
-            raise ConfigError("max_queued must be >= 0")
+        if self.max_queued < 0 or self.migration_limit < 0:
+            raise ConfigError("max_queued and migration_limit must be >= 0")
         if self.local_threshold < 0 or not 0 <= self.port <= 65535:
             raise ConfigError("local_threshold must be >= 0 and port within 0..65535")
 

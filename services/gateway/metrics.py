@@ -162,6 +162,12 @@ class GatewayMetrics:
         self.routed = Counter(
             "kvpush_gateway_routed_requests", "requests published, by mode", ["mode"], registry=r
         )
+        self.migrations = Counter(
+            "kvpush_gateway_migrations",
+            "requests moved to other workers, by the role of the worker that died under them",
+            ["lost"],
+            registry=r,
+        )
         self.aborts = Counter(
             "kvpush_gateway_aborts",
             "requests aborted by the gateway, by reason",

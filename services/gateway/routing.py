@@ -1,11 +1,13 @@
-"""Worker registry (fed by heartbeats) and the routing policy: which P, which D, which mode.
+"""Worker registry (the gateway's view of ``services.membership``) and the routing policy: which
+P, which D, which mode.
 
-``WorkerRegistry`` keeps the last ``WorkerHeartbeat`` of each worker seen on
-``kvpush.v1.heartbeat.>``. A worker is *alive* while its heartbeats keep arriving within
-``lease_s`` (default 3 s: three missed 1 s heartbeats); expired entries are pruned on the next
-look-up. A *draining* worker stays alive (its in-flight requests finish) but gets no new work
-and does not count for readiness. A heartbeat with a new epoch means the worker restarted:
-requests routed to an older epoch are lost there (``Gateway`` fails them at once).
+``WorkerRegistry`` feeds the heartbeats seen on ``kvpush.v1.heartbeat.>`` to a ``Membership``
+(docs/bus.md, membership): a worker is *alive* while its heartbeats keep arriving within its
+lease (the one its heartbeats state, 2 s by default; ``--worker-lease-s`` for heartbeats that
+state none); a look-up expires the members past their lease first. A *draining* worker stays
+alive (its in-flight requests finish) but gets no new work and does not count for readiness. A
+heartbeat with a new epoch means the worker restarted: requests routed to an older epoch are
+lost there (``Gateway`` moves them to another decode worker, or fails them at once).
 
 Selection is least-loaded, per role: load = the heartbeat's ``in_flight + queue_depth`` plus the
 requests this gateway sent to the worker since that heartbeat (so a burst between two
@@ -25,7 +27,7 @@ heartbeat's ``sends_first_token``) and P's token gives the answer one engine giv
 ``wait_for(role)`` returns once a worker of ``role`` has been seen since the registry started
 (the gateway holds requests on it while workers start).
 
-Bounds: at most ``max_workers`` entries; heartbeats of further workers are dropped and counted.
+Bounds: at most ``max_workers`` members; heartbeats of further workers are dropped and counted.
 Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
 no locks, no awaits inside a selection.
 """
@@ -42,6 +44,7 @@ from typing import Final
 from kvpush.connector import samples_on_prefill
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import SamplingSpec, TransferMode, WorkerHeartbeat, WorkerRole
+from kvpush.services.membership import DEFAULT_LEASE_S, LeaveReason, Member, Membership
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,15 @@ DECODE_ONLY: Final = "_"
 
 @dataclass
 class WorkerState:
-    heartbeat: WorkerHeartbeat
-    seen_at: float  # monotonic time the last heartbeat arrived
+    """A live member and what this gateway's selection keeps of it."""
+
+    member: Member
     sent_since_heartbeat: int = 0
     last_pick: float = 0.0
+
+    @property
+    def heartbeat(self) -> WorkerHeartbeat:
+        return self.member.heartbeat
 
     @property
     def load(self) -> int:
@@ -82,7 +90,6 @@ class NoWorkerError(LookupError):
 
 @dataclass
 class RegistryStats:
-    rejected: int = 0  # over max_workers
     expired: int = 0
     restarts: int = 0
     model_mismatch: set[str] = field(default_factory=set)
@@ -93,15 +100,16 @@ class WorkerRegistry:
 
     def __init__(
         self,
-        lease_s: float = 3.0,
+        lease_s: float = DEFAULT_LEASE_S,
         *,
         model: str | None = None,
         max_workers: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.lease_s = lease_s
+        self.membership = Membership(lease_s, max_members=max_workers, clock=clock)
+        self.membership.listeners.joined.append(self._joined)
+        self.membership.listeners.left.append(self._left)
         self.model = model
-        self.max_workers = max_workers
         self.stats = RegistryStats()
         self._clock = clock
         self._workers: dict[tuple[WorkerRole, str], WorkerState] = {}
@@ -113,32 +121,32 @@ class WorkerRegistry:
             self.observe(message)
 
     def observe(self, hb: WorkerHeartbeat) -> None:
-        key = (hb.role, hb.worker_id)
-        state = self._workers.get(key)
-        now = self._clock()
-        if state is None:
-            if len(self._workers) >= self.max_workers:
-                self._prune(now)
-                if len(self._workers) >= self.max_workers:
-                    self.stats.rejected += 1
-                    return
-            log.info("worker %s/%s joined (epoch %d)", hb.role.value, hb.worker_id, hb.epoch)
-            if (
-                self.model
-                and hb.model != self.model
-                and hb.worker_id not in self.stats.model_mismatch
-            ):
-                self.stats.model_mismatch.add(hb.worker_id)
-                log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
-            self._workers[key] = WorkerState(hb, now)
-            self._seen[hb.role].set()
-            return
-        if hb.epoch < state.heartbeat.epoch:
-            return  # a late heartbeat of a previous incarnation
-        if hb.epoch > state.heartbeat.epoch:
+        member = self.membership.observe(hb)
+        state = self._workers.get((hb.role, hb.worker_id))
+        if member is not None and state is not None and state.member is member:
+            state.sent_since_heartbeat = 0
+
+    def _joined(self, member: Member) -> None:
+        hb = member.heartbeat
+        self._workers[member.key] = WorkerState(member)
+        self._seen[hb.role].set()
+        if self.model and hb.model != self.model and hb.worker_id not in self.stats.model_mismatch:
+            self.stats.model_mismatch.add(hb.worker_id)
+            log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
+
+    def _left(self, member: Member) -> None:
+        state = self._workers.get(member.key)
+        if state is not None and state.member is member:
+            del self._workers[member.key]
+        if member.left_because is LeaveReason.RESTARTED:
             self.stats.restarts += 1
-            log.warning("worker %s restarted (epoch %d)", hb.worker_id, hb.epoch)
-        state.heartbeat, state.seen_at, state.sent_since_heartbeat = hb, now, 0
+        elif member.left_because is LeaveReason.EXPIRED:
+            self.stats.expired += 1
+
+    @property
+    def rejected(self) -> int:
+        """Heartbeats of workers past ``max_workers``, dropped."""
+        return self.membership.rejected
 
     def seen(self, role: WorkerRole) -> bool:
         """Whether a worker of ``role`` has sent a heartbeat since the registry started."""
@@ -148,26 +156,15 @@ class WorkerRegistry:
         """Return once a worker of ``role`` has been seen (at once if one has been)."""
         await self._seen[role].wait()
 
-    def _prune(self, now: float) -> None:
-        for key in [k for k, s in self._workers.items() if now - s.seen_at > self.lease_s]:
-            del self._workers[key]
-            self.stats.expired += 1
-            log.warning("worker %s/%s lost: no heartbeat for %.1f s", *key, self.lease_s)
-
     def alive(self, role: WorkerRole, *, include_draining: bool = False) -> list[WorkerState]:
-        self._prune(self._clock())
-        return [
-            s
-            for (r, _), s in self._workers.items()
-            if r is role and (include_draining or not s.heartbeat.draining)
-        ]
+        self.membership.tick()
+        members = self.membership.members(role, include_draining=include_draining)
+        return [self._workers[m.key] for m in members]
 
     def epoch(self, role: WorkerRole, worker_id: str) -> int | None:
         """The live worker's epoch, or None if it is gone (lease expired)."""
-        state = self._workers.get((role, worker_id))
-        if state is None or self._clock() - state.seen_at > self.lease_s:
-            return None
-        return state.heartbeat.epoch
+        self.membership.tick()
+        return self.membership.epoch(role, worker_id)
 
     def pick(self, role: WorkerRole, *, count: bool = True) -> WorkerState:
         candidates = self.alive(role)
@@ -226,9 +223,15 @@ class Router:
             transfer and prefill.heartbeat.sends_first_token,
         )
 
-    def still_serving(self, route: Route) -> bool:
-        """False once the decode worker of ``route`` died or restarted (its work is lost)."""
-        return self.registry.epoch(WorkerRole.DECODE, route.decode_id) == route.decode_epoch
+    def lost(self, route: Route) -> WorkerRole | None:
+        """The role whose worker of ``route`` died or restarted (decode first: its work is
+        lost), or None while both serve."""
+        if self.registry.epoch(WorkerRole.DECODE, route.decode_id) != route.decode_epoch:
+            return WorkerRole.DECODE
+        if route.prefill_epoch is None:
+            return None
+        prefill_epoch = self.registry.epoch(WorkerRole.PREFILL, route.prefill_id)
+        return WorkerRole.PREFILL if prefill_epoch != route.prefill_epoch else None
 
 
 def first_token_by(choice: WorkerRole, route: Route, sampling: SamplingSpec) -> WorkerRole:

@@ -66,9 +66,9 @@ class WorkerConfig:
     engine_core: str = "auto"  # auto: "process" on cuda (as vllm serve), "thread" on cpu
     enforce_eager: str = "auto"  # auto: off on cuda (torch.compile + CUDA graphs), on on cpu
     engine_args: tuple[str, ...] = ()  # `vllm serve` engine flags, parsed by vLLM (engine_args.py)
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = 0.5
+    lease_s: float = 2.0  # silent this long, peers count the worker gone (its heartbeats say so)
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
-    prefill_lease_s: float = 3.0  # decode: a prefill worker silent this long is probed
     registry_replicas: int = 1  # ... and its JetStream replicas (3 on a 3-server cluster)
     drain_grace_s: float = 0.5  # keep taking requests this long after the draining beat
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
@@ -77,6 +77,7 @@ class WorkerConfig:
     side_channel_port: int = 0  # 0: any free port (it is advertised in heartbeats)
     advertise_host: str | None = None
     fault_layer_delay_ms: float = 0.0  # fault injection (tests, soak): a slow prefill
+    fault_step_delay_ms: float = 0.0  # ... a slow engine step (a slow decode)
     log_level: str = "INFO"
     metrics_port: int | None = None  # vLLM's vllm:* engine metrics on /metrics (0: any port)
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
@@ -92,8 +93,9 @@ class WorkerConfig:
             "transfer_timeout_s": self.transfer_timeout_s,
         }
         connector, module = VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
-        if self.fault_layer_delay_ms:  # tests and soak runs: the fault-injecting connector
+        if self.fault_layer_delay_ms or self.fault_step_delay_ms:  # tests and soak runs
             extra["fault_layer_delay_ms"] = self.fault_layer_delay_ms
+            extra["fault_step_delay_ms"] = self.fault_step_delay_ms
             connector, module = FAULTS_CONNECTOR_CLASS, FAULTS_CONNECTOR_MODULE
         if self.advertise_host:
             extra["advertise_host"] = self.advertise_host
@@ -190,6 +192,12 @@ def config_from_args(
     tp, executor = values.get("tensor_parallel_size", 1), values.get("executor", "")
     if tp < 1:
         raise ConfigError(f"--tp must be >= 1, not {tp}")
+    heartbeat_s, lease_s = values.get("heartbeat_s", 0.5), values.get("lease_s", 2.0)
+    if not 0 < heartbeat_s * 2 <= lease_s:
+        raise ConfigError(
+            f"--lease-s ({lease_s:g}) must be at least two heartbeats"
+            f" (--heartbeat-s {heartbeat_s:g})"
+        )
     if tp > 1 and executor == "uni":
         raise ConfigError("--tp > 1 needs --executor mp (one process per rank)")
     if tp > 1 and resolve_device(values.get("device", "auto")) == "cuda":

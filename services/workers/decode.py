@@ -16,13 +16,11 @@ answered with one error chunk at once: ``overloaded`` (over ``--max-inflight``),
 the model mismatch, or the prompt's log-probabilities asked for in push or pull (they need this
 engine's own prefill: the gateway sends such a request in mode local).
 
-It also owns the prefill workers' side-channel addresses, learned from their heartbeats
-(``kvpush.v1.heartbeat.prefill.*``) and, at start, from the worker registry: each request
-carries its prefill worker's address so the connector can tell a dead prefill worker from a
-slow one. The map holds at most ``MAX_PREFILL_PEERS`` workers (oldest forgotten first). A
-prefill worker silent for ``prefill_lease_s`` (or back with a new epoch) is handed to the
-connector as a suspect: it probes the side channel and fails what that worker was sending at
-once, so this worker computes those prompts itself within seconds of a prefill crash.
+Each request carries its prefill worker's side channels (from the worker's view of prefill
+workers, ``peers``) so the connector can tell a dead prefill worker from a slow one. A prefill
+worker that leaves the view (silent past its lease, restarted with a new epoch, deregistered)
+has its side channels probed at once: the connector fails what that worker was sending, so this
+worker computes those prompts itself within a lease of a prefill crash.
 
 Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
 """
@@ -30,12 +28,10 @@ Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import time
 from typing import Any
 
-from kvpush.connector import BoundedDict, emit_span, monotonic_to_ns, timing_of, tracing_on
+from kvpush.connector import emit_span, monotonic_to_ns, timing_of, tracing_on
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     FailReason,
@@ -45,9 +41,9 @@ from kvpush.schemas.messages import (
     TokenChunk,
     TransferMode,
     Usage,
-    WorkerHeartbeat,
     WorkerRole,
 )
+from kvpush.services.membership import Member
 from kvpush.services.telemetry.breakdown import merge
 from kvpush.services.workers.config import WorkerConfig
 from kvpush.services.workers.handles import (
@@ -61,7 +57,6 @@ from kvpush.services.workers.worker import Worker, run_worker
 
 log = logging.getLogger(__name__)
 
-MAX_PREFILL_PEERS = 4096
 MAX_ERROR = 1000  # TokenChunk.error is at most 1024 characters
 PROMPT_LOGPROBS_NEED_LOCAL = (
     "prompt_logprobs need the decode engine's own prefill: send the request in mode local,"
@@ -122,56 +117,22 @@ class DecodeWorker(Worker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        # prefill worker id -> its side channels, one per TP rank
-        self.prefill_addresses: BoundedDict[str, list[str]] = BoundedDict(MAX_PREFILL_PEERS)
-        # worker id -> (epoch, last heartbeat, monotonic) of each prefill worker heard from
-        self._prefill_seen: dict[str, tuple[int, float]] = {}
-        self._lease_task: asyncio.Task[None] | None = None
+        self.peers.on_leave(self._prefill_left)
 
     def request_filter(self) -> str:
         return subjects.requests_for_decode(self.worker_id)
 
-    async def on_start(self) -> None:
-        for beat in await self.registry_entries(WorkerRole.PREFILL):
-            self._learn(beat)
-        await self.bus.subscribe(subjects.heartbeats(WorkerRole.PREFILL), self._on_heartbeat)
-        self._lease_task = asyncio.create_task(self._watch_leases(), name="prefill-leases")
-
-    async def cleanup(self) -> None:
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-        await super().cleanup()
-
-    async def _watch_leases(self) -> None:
-        """A prefill worker silent for ``prefill_lease_s`` is suspected: the connector probes
-        its side channel and, if nobody answers, fails what it was sending us at once (we then
-        compute those prompts ourselves) instead of waiting for the requests' deadlines."""
-        lease = self.config.prefill_lease_s
-        while True:
-            await asyncio.sleep(min(1.0, lease / 3))
-            now = time.monotonic()
-            for worker_id, (_, seen) in list(self._prefill_seen.items()):
-                if now - seen > lease:
-                    del self._prefill_seen[worker_id]
-                    addresses = self.prefill_addresses.get(worker_id) or []
-                    if addresses:
-                        log.warning("prefill %s silent for %.1f s: probing it", worker_id, lease)
-                    for address in addresses:
-                        self.host.link.suspect_peer(address)
-
-    async def _on_heartbeat(self, subject: str, message: object) -> None:
-        if isinstance(message, WorkerHeartbeat):
-            self._learn(message)
-
-    def _learn(self, beat: WorkerHeartbeat) -> None:
-        previous = self.prefill_addresses.get(beat.worker_id) or []
-        current = list(beat.side_channels) or [beat.side_channel]
-        epoch = self._prefill_seen.get(beat.worker_id, (beat.epoch, 0.0))[0]
-        if previous and (previous != current or epoch != beat.epoch):
-            for address in previous:  # restarted: its old incarnation sends nothing more
-                self.host.link.suspect_peer(address)
-        self._prefill_seen[beat.worker_id] = (beat.epoch, time.monotonic())
-        self.prefill_addresses.refresh(beat.worker_id, current)
+    def _prefill_left(self, member: Member) -> None:
+        """A prefill worker is gone: what it was sending us fails once its side channel does
+        not answer (the connector's probe), instead of at the requests' deadlines."""
+        beat = member.heartbeat
+        log.warning(
+            "prefill %s left (%s): probing it",
+            beat.worker_id,
+            member.why,
+        )
+        for address in list(beat.side_channels) or [beat.side_channel]:
+            self.host.link.suspect_peer(address)
 
     async def serve(self, entry: InFlight) -> None:
         event = entry.event
@@ -180,7 +141,7 @@ class DecodeWorker(Worker):
         if not local and event.sampling.prompt_logprobs is not None:
             await self.refuse(event, FailReason.PREFILL, PROMPT_LOGPROBS_NEED_LOCAL)
             return
-        addresses = self.prefill_addresses.get(event.prefill_id)
+        addresses = self.peers.side_channels(event.prefill_id)
         params = None if local else entry.kv_params(addresses)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:

@@ -184,7 +184,14 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="FLAG",
         repeat=True,
     ),
-    Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 1)"),
+    Setting("heartbeat_s", ("--heartbeat-s",), float, "heartbeat period (default 0.5)"),
+    Setting(
+        "lease_s",
+        ("--lease-s",),
+        float,
+        "silent this long (no heartbeat), peers count this worker gone and release what it held;"
+        " its heartbeats carry it (default 2)",
+    ),
     Setting(
         "drain_timeout_s",
         ("--drain-timeout-s",),
@@ -225,16 +232,17 @@ SETTINGS: tuple[Setting, ...] = (
         "JetStream replicas of the worker registry (default 1; 3 on a 3-server cluster)",
     ),
     Setting(
-        "prefill_lease_s",
-        ("--prefill-lease-s",),
-        float,
-        "decode: a prefill worker silent this long is probed (default 3)",
-    ),
-    Setting(
         "fault_layer_delay_ms",
         ("--fault-layer-delay-ms",),
         float,
         "fault injection (tests, soak): P sleeps this long per layer",
+        flag=False,
+    ),
+    Setting(
+        "fault_step_delay_ms",
+        ("--fault-step-delay-ms",),
+        float,
+        "fault injection (tests, soak): each engine step takes this much longer",
         flag=False,
     ),
     Setting(

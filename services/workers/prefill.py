@@ -12,7 +12,10 @@ prompt) and is ignored, and so is a request for the prompt's log-probabilities (
 own prefill: D refuses one in push and pull). A request it cannot take (over
 ``--max-inflight``, past its deadline, another model, rejected by the engine before the
 connector saw it) is answered with KvFailed to the decode worker, which then computes the
-prompt itself at once instead of waiting for KV (docs/design.md, correctness rule 5).
+prompt itself at once instead of waiting for KV (docs/design.md, correctness rule 5). A decode
+worker that leaves this worker's view of decode workers (``peers``: silent past its lease,
+restarted, deregistered) gets every request still pushing into it aborted at once, which frees
+their source blocks.
 
 Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).
 """
@@ -26,6 +29,8 @@ from kvpush.connector import samples_on_prefill
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import FailReason, KvFailed, RequestEvent, TransferMode, WorkerRole
 from kvpush.schemas.sampling import SamplingSpec
+from kvpush.services.membership import Member
+from kvpush.services.workers.config import WorkerConfig
 from kvpush.services.workers.first_token import first_token_of, prefill_sampling
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.worker import Worker, run_worker
@@ -38,6 +43,20 @@ REJECTED = "rejected:"  # EngineHost's error prefix for a request the engine nev
 
 class PrefillWorker(Worker):
     role = WorkerRole.PREFILL
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.peers.on_leave(self._decode_left)
+
+    def _decode_left(self, member: Member) -> None:
+        """A decode worker is gone: what this worker computes or pushes for it is abandoned."""
+        gone = member.heartbeat.worker_id
+        for entry in list(self._inflight.values()):
+            if entry.event.decode_id == gone:
+                self._abort(
+                    entry,
+                    f"decode worker {gone} left ({member.why})",
+                )
 
     def request_filter(self) -> str:
         return subjects.requests_for_prefill(self.worker_id)

@@ -5,12 +5,17 @@
 ``EngineHost``, a sync engine stepped on a thread of this process only when there is work, the
 CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (transfer_id ->
 ``InFlight``, inflight.py; the engine request id *is* the transfer id), heartbeats on
-``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` and the worker's entry in the JetStream
-KV bucket of ``registry`` (key ``<role>.<id>``, value: the last heartbeat; the bucket's TTL
-drops a worker that stopped beating), and with ``--metrics-port`` vLLM's own engine metrics
+``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` (stating its ``lease_s``) and the
+worker's entry in the JetStream KV bucket of ``registry`` (key ``<role>.<id>``, value: the last
+heartbeat; it seeds a starting peer's view), the view of the other role's workers (``peers``:
+``PeerWatch``, ``services.membership``), and with ``--metrics-port`` vLLM's own engine metrics
 (the ``vllm:*`` series its engine records in this process) on ``http://HOST:PORT/metrics``.
 ``PrefillWorker`` / ``DecodeWorker`` add what a request means for their role (``serve``,
-``refuse``).
+``refuse``) and what a gone peer held means for them.
+
+A worker that finds its own heartbeats stalled past its lease (stopped, SIGSTOP, or its loop
+blocked) knows its peers counted it gone and released what it held: it aborts every request it
+holds and takes a new epoch, so it joins again as a new member.
 
 Lifecycle (every kvpush service has this shape): ``setup`` (bus, engine, registry) -> ``start``
 (subscriptions, heartbeats) -> run until SIGTERM/SIGINT -> ``drain`` (heartbeat draining=True,
@@ -62,6 +67,7 @@ from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
 from kvpush.services.workers.inflight import InFlight
+from kvpush.services.workers.peers import PeerWatch
 from kvpush.services.workers.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -92,6 +98,8 @@ class Worker:
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
+        other = WorkerRole.PREFILL if self.role is WorkerRole.DECODE else WorkerRole.DECODE
+        self.peers = PeerWatch(other, config.lease_s)
         self._draining = False
         self._closing = False  # cleanup began: the heartbeat loop ends
         self._stop = asyncio.Event()
@@ -151,6 +159,7 @@ class Worker:
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.abort(self.worker_id), self._on_abort)
+        await self.peers.start(self.bus, self.registry_entries)
         await self.on_start()
         sub = await self.bus.subscribe(self.request_filter(), self._on_request)
         self._request_subs.append(sub)
@@ -187,6 +196,7 @@ class Worker:
         log.info("drained (connector transfers pending: %d)", await asyncio.to_thread(pending))
 
     async def cleanup(self) -> None:
+        await self.peers.stop()
         if self._heartbeat_task is not None:
             # with NATS gone a beat sits in nats-py's own timeouts, which can swallow a cancel
             # (asyncio.wait_for before 3.12): the loop also ends on _closing, and we wait a
@@ -338,6 +348,7 @@ class Worker:
             sent_at_ms=now_ms(),
             draining=self._draining,
             sends_first_token=self.role is WorkerRole.PREFILL,  # prefill.py: FirstToken
+            lease_ms=int(self.config.lease_s * 1000),
         )
 
     async def registry_entries(self, role: WorkerRole) -> list[WorkerHeartbeat]:
@@ -345,9 +356,27 @@ class Worker:
         return await self._registry.entries(role) if self._registry is not None else []
 
     async def _heartbeats(self) -> None:
+        last_beat = None  # the gap between two beats is what the peers see
         while not self._closing:
+            now = time.monotonic()
+            if last_beat is not None and now - last_beat > self.config.lease_s:
+                self._rejoin(now - last_beat)
+            last_beat = now
             await self._beat()
             await asyncio.sleep(self.config.heartbeat_s)
+
+    def _rejoin(self, stalled_s: float) -> None:
+        """Our heartbeats stalled past the lease: peers released what we held."""
+        log.warning(
+            "heartbeats stalled %.1f s, past the %.1f s lease: aborting %d request(s),"
+            " joining again with a new epoch",
+            stalled_s,
+            self.config.lease_s,
+            len(self._inflight),
+        )
+        for entry in list(self._inflight.values()):
+            self._abort(entry, "worker stalled past its lease")
+        self.epoch = max(now_ms(), self.epoch + 1)
 
     async def _beat(self) -> None:
         beat = self.heartbeat()

@@ -121,8 +121,9 @@ class UpStack:
 
 
 @contextlib.contextmanager
-def run_up(log_dir: Path, *extra: str) -> Iterator[UpStack]:
-    """``kvpush up`` with ``extra`` flags on a free port; ready when yielded, stopped after."""
+def run_up(log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[UpStack]:
+    """``kvpush up`` with ``extra`` flags (and ``env`` on top of ours) on a free port; ready when
+    yielded, stopped after."""
     port = free_port()
     argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port), *extra]
     with open(log_dir / "up.out", "wb") as out, open(log_dir / "up.err", "wb") as err:
@@ -134,7 +135,7 @@ def run_up(log_dir: Path, *extra: str) -> Iterator[UpStack]:
             start_new_session=True,  # like a terminal: only `up` gets our SIGINT
             # a drained worker finishes what it runs however busy the box (the drain tests
             # check that every token came, not how fast)
-            env={**os.environ, "KVPUSH_DRAIN_TIMEOUT_S": "300"},
+            env={**os.environ, "KVPUSH_DRAIN_TIMEOUT_S": "300", **(env or {})},
         )
     stack = UpStack(proc, f"http://127.0.0.1:{port}", "", "", log_dir)
     try:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
-from kvpush.schemas.messages import FinishReason
+from kvpush.schemas.messages import FinishReason, Usage
 from kvpush.services.gateway import add_arguments, serve
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.gateway_fakes import (
@@ -109,6 +110,52 @@ async def test_a_lost_decode_worker_fails_its_requests_with_502(stack: StackFact
     # the lease ended it: the request's deadline would have answered 504 "timeout"
     assert status == 502 and "lost" in answer["error"]["message"], answer
     await wait_until(lambda: bool(s.prefill.aborts))
+
+
+def positional_reply(event: Any) -> list[Any]:
+    """Token ``1000 + p`` (text " t<p>") at each answer position p: a continuation from a longer
+    prompt (a migration's) goes on where the lost worker stopped."""
+    start, n = len(event.prompt_token_ids), event.sampling.max_tokens
+    chunks = [chunk(event, i, f" t{start + i}") for i in range(n)]
+    chunks = [
+        msgspec.structs.replace(c, token_ids=[1000 + start + i]) for i, c in enumerate(chunks)
+    ]
+    usage = Usage(prompt_tokens=start, completion_tokens=n)
+    last = msgspec.structs.replace(chunks[-1], finish_reason=FinishReason.LENGTH, usage=usage)
+    return [*chunks[:-1], last]
+
+
+async def test_a_decode_worker_lost_mid_answer_hands_the_request_to_another(
+    stack: StackFactory,
+) -> None:
+    s = await stack(decode=("d", "e"), reply=positional_reply, local_threshold=0)
+    decoders = [w for w in s.workers if w.reply is not None]
+    body = {"prompt": "x", "max_tokens": 30, "stream": True}
+    status, text = await s.post("/v1/completions", body)
+    assert status == 200
+    unbroken = "".join(e["choices"][0]["text"] for e in sse_events(text) if e["choices"])
+    for worker in decoders:
+        worker.chunk_delay_s = 0.05
+    before = [len(w.events) for w in decoders]
+    pending = asyncio.create_task(
+        s.post("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    )
+    await wait_until(lambda: sum(len(w.events) for w in decoders) == sum(before) + 1)
+    lost, other = decoders if len(decoders[0].events) > before[0] else decoders[::-1]
+    await asyncio.sleep(0.3)  # some tokens reach the client
+    lost.beating = False  # "killed": silent, and sends nothing more
+    for task in lost._tasks.values():
+        task.cancel()
+    status, text = await pending
+    assert status == 200, text
+    events = sse_events(text)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == unbroken
+    assert events[-1]["usage"]["completion_tokens"] == 30, events[-1]
+    moved = other.events[-1]
+    sent = len(moved.prompt_token_ids) - len(lost.events[-1].prompt_token_ids)
+    assert 0 < sent < 30 and moved.sampling.max_tokens == 30 - sent
+    scraped = (await s.call("GET", "/metrics"))[1]
+    assert 'kvpush_gateway_migrations_total{lost="decode"} 1.0' in scraped
 
 
 def failing_reply(text: str) -> Reply:

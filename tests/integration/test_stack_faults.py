@@ -40,7 +40,7 @@ pytestmark = pytest.mark.engine
 
 P, D = "fp0", "fd0"
 LAYER_DELAY_MS = 400  # x 2 layers of the tiny model: P's prefill takes ~0.8 s
-PREFILL_LEASE_S = WorkerConfig.prefill_lease_s  # D probes a prefill worker silent this long
+PREFILL_LEASE_S = WorkerConfig.lease_s  # silent this long, D counts a prefill worker gone
 
 
 @dataclass

@@ -97,7 +97,7 @@ def test_registry_is_bounded(clock: Clock) -> None:
     registry = WorkerRegistry(lease_s=3.0, max_workers=2, clock=clock)
     for name in ("a", "b", "c"):
         registry.observe(beat(D, name))
-    assert registry.counts()["decode"] == 2 and registry.stats.rejected == 1
+    assert registry.counts()["decode"] == 2 and registry.rejected == 1
     clock.now += 5
     registry.observe(beat(D, "c"))
     assert [s.heartbeat.worker_id for s in registry.alive(D)] == ["c"]
@@ -147,19 +147,22 @@ def test_local_requests_do_not_count_as_prefill_load(registry: WorkerRegistry) -
     assert registry.pick(P, count=False).load == 0
 
 
-def test_still_serving_notices_a_lost_or_restarted_decode(
+def test_lost_names_the_role_whose_worker_died_or_restarted(
     registry: WorkerRegistry, clock: Clock
 ) -> None:
     registry.observe(beat(P, "p0"))
     registry.observe(beat(D, "d0"))
     router = Router(registry, TransferMode.PUSH, 0)
     route = router.route(10)
-    assert router.still_serving(route)
+    assert router.lost(route) is None
+    registry.observe(beat(P, "p0", epoch=2))
+    assert router.lost(route) is P
     registry.observe(beat(D, "d0", epoch=2))
-    assert not router.still_serving(route)
+    assert router.lost(route) is D  # decode first: its work is lost
     route = router.route(10)
+    assert router.lost(router.route(10, TransferMode.LOCAL)) is None
     clock.now += 3.5
-    assert not router.still_serving(route)
+    assert router.lost(route) is D
 
 
 def parse(*argv: str) -> argparse.Namespace:

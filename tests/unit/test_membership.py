@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 from kvpush.services.membership import LeaveReason, Member, Membership, MemberState
 
@@ -83,15 +85,26 @@ def test_a_restart_is_a_leave_then_a_join_and_late_beats_are_ignored() -> None:
     assert view.epoch(D, "d0") == 2 and len(events) == 3
 
 
-def test_a_worker_stopped_past_its_lease_does_not_come_back_with_the_same_epoch() -> None:
+def test_a_worker_stopped_past_its_lease_leaves_then_joins_again_as_a_new_member() -> None:
     view, clock, events = membership(lease_s=2.0)
     view.observe(beat("p0", P, epoch=7))
     clock.now += 3.0
+    view.observe(beat("p0", P, epoch=7))  # SIGCONT before any tick: it left all the same
+    assert [e for e, _ in events] == ["joined", "left", "joined"] and view.rejoined == 1
+    assert events[1][1] is not events[2][1] and ids(view, P) == ["p0"]
+
+
+def test_a_worker_states_its_own_lease_and_registry_entries_are_aged() -> None:
+    view, clock, events = membership(lease_s=2.0)
+    slow = msgspec.structs.replace(beat("p0", P), lease_ms=10_000)
+    view.observe(slow)
+    clock.now += 5.0
     view.tick()
-    view.observe(beat("p0", P, epoch=7))  # SIGCONT: its work was released meanwhile
-    assert ids(view, P) == [] and [e for e, _ in events] == ["joined", "left"]
-    view.observe(beat("p0", P, epoch=8))  # it restarted
-    assert ids(view, P) == ["p0"] and [e for e, _ in events] == ["joined", "left", "joined"]
+    assert ids(view, P) == ["p0"]  # its own lease (10 s), not the view's default (2 s)
+    view.observe(beat("d0"), age_s=1.5)  # from the registry, sent 1.5 s ago
+    clock.now += 0.6
+    view.tick()
+    assert ids(view, D) == [] and events[-1][1].left_because is LeaveReason.EXPIRED
 
 
 def test_draining_members_are_alive_but_not_offered_for_new_work() -> None:
