@@ -11,19 +11,11 @@ chunks; an answer has no total deadline. A worker error is ``ApiError`` 502, a d
 stream overflow 503; the error is also left on the ``RequestContext`` so the handler can answer
 with its status when nothing was sent yet.
 
-Migration: a decode worker that dies (or restarts) under a request is noticed within its lease
-(membership); the request then moves to another decode worker, at most ``--migration-limit``
-times: a new transfer id, a fresh route (through a prefill worker when one is alive, else
-local) and one RequestEvent whose prompt is the original prompt plus every token the client was
-sent, asking for the tokens still owed (``max_tokens`` and ``min_tokens`` less those sent). The
-client's stream goes on with no token repeated or missing; under greedy sampling it equals an
-unbroken run. It stays a 502 with no other decode worker alive, past the limit, for ``n`` > 1
-or prompt log-probabilities (answers D keeps), and with stop strings once tokens were sent (D
-holds back text that may begin a stop string: it would be lost). A prefill worker that dies
-before the first token moves the request the same way (to another prefill worker, or local);
-its decode worker's own fallback (computing the prompt when P's side channel is dead) covers a
-request the gateway cannot move. Each move is counted in the span's ``kvpush.migrations`` and
-in ``kvpush_gateway_migrations{lost=decode|prefill}``. Whenever a request ends
+A request whose worker is lost moves to other workers (``migration``: the prompt plus the tokens
+already sent, at most ``--migration-limit`` times); each move is counted in the span's
+``kvpush.migrations`` and in ``kvpush_gateway_migrations{lost=decode|prefill|bus}``. A lost
+decode worker with nowhere to move the request is a 502 at once (after a bus break: once the
+workers are not heard again within ``BUS_GRACE_LEASES`` leases, a 503). Whenever a request ends
 before its final chunk (client gone, deadline, decode worker lost or restarted, overflow,
 gateway stopping) it publishes ``Abort(transfer_id, sender=gateway_id)`` to P (when P takes
 part) and to D; after a worker error, to P only.
@@ -46,7 +38,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
-import msgspec
 import nats.errors
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
@@ -61,6 +52,7 @@ from kvpush.schemas.messages import (
     WorkerRole,
 )
 from kvpush.services.gateway.errors import ApiError
+from kvpush.services.gateway.migration import Lost, Migration
 from kvpush.services.gateway.observe import FinishedRequest
 from kvpush.services.gateway.routing import NoWorkerError, first_token_by
 from kvpush.services.gateway.streaming import StreamFailed
@@ -76,7 +68,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.gateway")
-LIVENESS_POLL_S = 0.5  # how often a waiting request checks that its decode worker lives
+LIVENESS_POLL_S = 0.5  # how often a waiting request checks that its workers live
+BUS_GRACE_LEASES = 3  # after a bus break, how long (in worker leases) requests wait for workers
 _BUS_ID = re.compile(r"[^A-Za-z0-9._:-]")
 
 
@@ -141,11 +134,9 @@ class BusGeneration:
         self.completion_tokens = self.prompt_tokens = 0
         self.route: Route | None = None
         self.prompt_ids: list[int] = []
-        self.sampling: SamplingSpec | None = None
         self.streamed = False
-        self.sent_ids: list[int] = []  # the answer's tokens received (n = 1), for a migration
-        self.migrations = 0
-        self.tokens_before = 0  # completion tokens sent before the last migration
+        self.migration: Migration | None = None
+        self.first_byte: Span | None = None  # the span until the first token
 
     def _fail(self, error: ApiError) -> ApiError:
         if self.context.error is None:
@@ -154,8 +145,10 @@ class BusGeneration:
 
     async def start(self, ids: list[int], sampling: SamplingSpec, stream: bool) -> None:
         """Route and publish; ApiError 503 when no worker can take it, 413 when too large."""
-        self.prompt_ids, self.sampling, self.streamed = ids, sampling, stream
+        self.prompt_ids, self.streamed = ids, stream
         self.prompt_tokens = len(ids)
+        limit, reconnects = self.gw.config.migration_limit, self.gw.bus.stats.reconnects
+        self.migration = Migration(limit, sampling, reconnects)
         await self._dispatch(ids, sampling, self.arrived)
         self.published_ns = time.time_ns()
         self.gw.metrics.prompt_tokens.inc(len(ids))
@@ -172,7 +165,8 @@ class BusGeneration:
                 try:
                     route = gw.router.route(len(ids), mode)
                 except NoWorkerError as exc:
-                    if not (self.migrations and exc.role is WorkerRole.PREFILL):
+                    moved = self.migration is not None and self.migration.count
+                    if not (moved and exc.role is WorkerRole.PREFILL):
                         raise
                     route = gw.router.route(len(ids), TransferMode.LOCAL)  # moved: not a 503
             except NoWorkerError as exc:
@@ -211,50 +205,59 @@ class BusGeneration:
         )
         log.debug("request %s transfer %s -> %s", self.request_id, self.transfer_id, route)
         self.stream = gw.streams.open(self.request_id, self.transfer_id)
-        if not self.migrations:
+        if self.first_byte is None:
             self.first_byte = _tracer.start_span("gateway.first_byte")
         await self._publish(event)
         gw.observer.track(self.transfer_id, route.mode.value)
         gw.metrics.routed.labels(route.mode.value).inc()
 
-    def _can_migrate(self) -> bool:
-        spec = self.sampling
-        return (
-            spec is not None
-            and self.migrations < self.gw.config.migration_limit
-            and spec.n == 1
-            and spec.prompt_logprobs is None
-            and not (spec.stop and self.sent_ids)
-            and len(self.sent_ids) < spec.max_tokens
-            and bool(self.gw.router.registry.alive(WorkerRole.DECODE))
-        )
-
-    async def _migrate(self, role: WorkerRole) -> None:
-        """Move the request off its lost ``role`` worker (see the module docstring)."""
-        gw, lost, spec = self.gw, self.route, self.sampling
-        assert lost is not None and spec is not None
-        self.migrations += 1
-        gw.metrics.migrations.labels(role.value).inc()
+    async def _migrate(self, lost: Lost) -> None:
+        """Move the request off what it lost (``migration``)."""
+        gw, route, migration = self.gw, self.route, self.migration
+        assert route is not None and migration is not None
+        extra, owed = migration.moved(gw.bus.stats.reconnects)
+        gw.metrics.migrations.labels(lost.value).inc()
         log.warning(
-            "%s worker %s lost under %s after %d token(s): migration %d",
-            role.value,
-            lost.decode_id if role is WorkerRole.DECODE else lost.prefill_id,
+            "%s lost under %s (%s/%s) after %d token(s): migration %d",
+            lost.value,
             self.request_id,
-            len(self.sent_ids),
-            self.migrations,
+            route.prefill_id,
+            route.decode_id,
+            len(extra),
+            migration.count,
         )
-        gw.spawn(gw.abort(lost, self.transfer_id, "decode worker lost: migrated", decode=True))
+        gw.spawn(gw.abort(route, self.transfer_id, f"{lost.value} lost: migrated", decode=True))
         gw.streams.close(self.request_id)
         self.transfer_id = secrets.token_urlsafe(16)
-        done = self.tokens_before = len(self.sent_ids)
-        owed = msgspec.structs.replace(
-            spec, max_tokens=spec.max_tokens - done, min_tokens=max(0, spec.min_tokens - done)
-        )
         span = self.context.span
-        span.set_attribute("kvpush.migrations", self.migrations)
-        span.add_event("kvpush.migrated", {"kvpush.lost": role.value, "tokens": done})
-        since = self.loop.time()
-        await self._dispatch([*self.prompt_ids, *self.sent_ids], owed, since)
+        span.set_attribute("kvpush.migrations", migration.count)
+        span.add_event("kvpush.migrated", {"kvpush.lost": lost.value, "tokens": len(extra)})
+        await self._dispatch([*self.prompt_ids, *extra], owed, self.loop.time())
+
+    async def _on_stall(self) -> None:
+        """No chunk for a poll: move the request if it lost a worker, or fail it (502/503)."""
+        gw, route, migration = self.gw, self.route, self.migration
+        assert route is not None and migration is not None
+        reconnects = gw.bus.stats.reconnects
+        lost = migration.lost(gw.router, route, self.first_at is not None, reconnects)
+        if lost is None:
+            return
+        # a lost P matters only if another P can do better than D's own fallback
+        needed = WorkerRole.PREFILL if lost is Lost.PREFILL else WorkerRole.DECODE
+        if migration.movable() and gw.router.registry.alive(needed):
+            await self._migrate(lost)
+            return
+        bus_broke = reconnects != migration.reconnects or not gw.bus.client.is_connected
+        grace = BUS_GRACE_LEASES * gw.config.worker_lease_s
+        if migration.waits(lost, self.loop.time(), bus_broke, grace):
+            return
+        if lost is Lost.BUS:
+            self.abort_reason = "bus interrupted"
+            message = "the message bus was interrupted and the request was lost; retry it"
+            raise self._fail(ApiError(503, message, type_="service_unavailable"))
+        self.abort_reason = "decode worker lost"
+        message = f"decode worker {route.decode_id} was lost or restarted"
+        raise self._fail(ApiError(502, message, type_="worker_error"))
 
     def finish(self) -> None:
         """The request is over (answered, failed or abandoned): abort what still runs."""
@@ -262,7 +265,7 @@ class BusGeneration:
         if route is None:
             return
         gw.streams.close(self.request_id)
-        if self.first_at is None:
+        if self.first_at is None and self.first_byte is not None:
             self.first_byte.end()
         gw.metrics.completion_tokens.inc(self.completion_tokens)
         span = self.context.span
@@ -300,7 +303,8 @@ class BusGeneration:
             return
         self.first_at = self.loop.time()
         self.first_byte_ns = time.time_ns()
-        self.first_byte.end()
+        if self.first_byte is not None:
+            self.first_byte.end()
         self.context.sent_first = True
         assert self.route is not None
         self.gw.metrics.ttft.labels(self.route.mode.value).observe(self.first_at - self.arrived)
@@ -333,15 +337,7 @@ class BusGeneration:
             try:
                 chunk = await self.stream.next(min(remaining, LIVENESS_POLL_S))
             except asyncio.TimeoutError:
-                lost = self.gw.router.lost(self.route)
-                # P matters until the first token: past it, D has all it needs of P
-                movable = lost is WorkerRole.DECODE or self.first_at is None
-                if lost is not None and movable and self._can_migrate():
-                    await self._migrate(lost)
-                elif lost is WorkerRole.DECODE:
-                    self.abort_reason = "decode worker lost"
-                    message = f"decode worker {self.route.decode_id} was lost or restarted"
-                    raise self._fail(ApiError(502, message, type_="worker_error")) from None
+                await self._on_stall()
                 continue
             except StreamFailed as exc:
                 self.abort_reason = f"stream failed: {exc}"
@@ -353,10 +349,8 @@ class BusGeneration:
         self.deadline = self.loop.time() + self.gw.config.stream_idle_timeout_s
         new = len(chunk.token_ids) + sum(len(o.token_ids) for o in chunk.outputs or [])
         self.completion_tokens += new
-        if self.sampling is not None and self.sampling.n == 1:
-            self.sent_ids += chunk.token_ids
-            for output in chunk.outputs or []:
-                self.sent_ids += output.token_ids
+        if self.migration is not None:
+            self.migration.record(chunk)
         if new or chunk.text or chunk.outputs:
             self._first_byte()
         if chunk.finish_reason is not None:
@@ -376,7 +370,8 @@ class BusGeneration:
                 self.loop.time() - self.arrived
             )
             if chunk.usage is not None:
-                self.completion_tokens = self.tokens_before + chunk.usage.completion_tokens
+                before = self.migration.tokens_before if self.migration else 0
+                self.completion_tokens = before + chunk.usage.completion_tokens
             self.context.span.set_attribute(
                 "gen_ai.response.finish_reasons", [chunk.finish_reason.value]
             )

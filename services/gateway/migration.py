@@ -1,0 +1,102 @@
+"""Request migration: what the gateway keeps of a request to move it to other workers, and when.
+
+A request moves when the worker answering it is lost (docs/bus.md, membership): its decode
+worker died or restarted (``Lost.DECODE``: noticed within that worker's lease), its prefill
+worker did before the first token (``Lost.PREFILL``; past the first token D has all it needs of
+P), or the gateway's bus connection broke and came back while the request's stream stalled
+(``Lost.BUS``: core NATS delivers at most once, so chunks sent during the gap are gone). The
+move (``bus_generation.BusGeneration``) is a new transfer id, a fresh route (through a prefill
+worker when one is alive, else local; a request that lost its prefill worker moves only to
+another one) and one RequestEvent whose prompt is the original prompt
+plus every token the client was sent (``sent_ids``), asking for the tokens still owed
+(``owed``: ``max_tokens`` and ``min_tokens`` less those sent). The client's stream goes on with
+no token repeated or missing; under greedy sampling it equals an unbroken run.
+
+A request does not move (``movable``) past ``--migration-limit`` moves, for ``n`` > 1 or the
+prompt's log-probabilities (answers and logits only D keeps), and with stop strings once
+tokens were sent (D holds back text that may begin a stop string: it would be lost). With
+nowhere to move it (no decode worker alive), a request whose decode worker was lost fails at
+once with a 502, unless the bus broke meanwhile (a nats-server restart: every worker's lease
+runs out at the gateway although the workers live): then it waits up to ``bus_grace_s`` for
+the workers to be heard again, and fails with a 503 past it. A lost prefill worker needs no
+move to be answered: its decode worker computes the prompt itself once P's side channel is
+dead.
+
+Threading model: plain data, used by one ``BusGeneration`` on the gateway's loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvpush.schemas.messages import TokenChunk, WorkerRole
+from kvpush.schemas.sampling import SamplingSpec
+from kvpush.services.gateway.routing import Route, Router
+
+
+class Lost(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+    BUS = "bus"
+
+
+@dataclass
+class Migration:
+    """One request's moves; see the module docstring."""
+
+    limit: int
+    sampling: SamplingSpec
+    reconnects: int  # the bus's reconnect count when the request was last published
+    sent_ids: list[int] = field(default_factory=list)  # the answer's tokens (n = 1)
+    count: int = 0
+    tokens_before: int = 0  # completion tokens sent before the last move
+    stuck_at: float | None = None  # when a loss with nowhere to move was first seen
+
+    def record(self, chunk: TokenChunk) -> None:
+        """A chunk reached the client: its tokens are part of the answer."""
+        if self.sampling.n == 1:
+            self.sent_ids += chunk.token_ids
+            for output in chunk.outputs or []:
+                self.sent_ids += output.token_ids
+
+    def movable(self) -> bool:
+        spec = self.sampling
+        return (
+            self.count < self.limit
+            and spec.n == 1
+            and spec.prompt_logprobs is None
+            and not (spec.stop and self.sent_ids)
+            and len(self.sent_ids) < spec.max_tokens
+        )
+
+    def lost(self, router: Router, route: Route, answered: bool, reconnects: int) -> Lost | None:
+        """What the request lost (None: nothing); ``answered``: its first token came."""
+        role = router.lost(route)
+        if role is WorkerRole.DECODE:
+            return Lost.DECODE
+        if role is WorkerRole.PREFILL and not answered:
+            return Lost.PREFILL
+        return Lost.BUS if reconnects != self.reconnects else None
+
+    def moved(self, reconnects: int) -> tuple[list[int], SamplingSpec]:
+        """Count a move: the prompt's extra tokens and the sampling of what is still owed."""
+        self.count += 1
+        self.reconnects, self.stuck_at = reconnects, None
+        done = self.tokens_before = len(self.sent_ids)
+        spec = self.sampling
+        owed = msgspec.structs.replace(
+            spec, max_tokens=spec.max_tokens - done, min_tokens=max(0, spec.min_tokens - done)
+        )
+        return list(self.sent_ids), owed
+
+    def waits(self, lost: Lost, now: float, bus_broke: bool, bus_grace_s: float) -> bool:
+        """With nowhere to move it: whether the request still waits for workers (the bus broke
+        and ``bus_grace_s`` has not passed since the loss was first seen), or fails now."""
+        if lost is Lost.PREFILL:
+            return True  # D computes the prompt itself
+        if self.stuck_at is None:
+            self.stuck_at = now
+        return (bus_broke or lost is Lost.BUS) and now - self.stuck_at < bus_grace_s

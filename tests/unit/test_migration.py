@@ -1,0 +1,65 @@
+"""services/gateway/migration.py: what a request keeps to move, when it may, what it still owes."""
+
+from __future__ import annotations
+
+from kvpush.schemas.messages import SequenceOutput, TokenChunk, TransferMode, WorkerHeartbeat
+from kvpush.schemas.messages import WorkerRole as R
+from kvpush.schemas.sampling import SamplingSpec
+from kvpush.services.gateway.migration import Lost, Migration
+from kvpush.services.gateway.routing import Router, WorkerRegistry
+
+
+def chunk(ids: list[int], outputs: list[SequenceOutput] | None = None) -> TokenChunk:
+    return TokenChunk("r", "t", 0, ids, "x", outputs=outputs)
+
+
+def beat(role: R, worker_id: str, epoch: int = 1) -> WorkerHeartbeat:
+    return WorkerHeartbeat(worker_id, role, epoch, "m", "tcp://h:1", 0, 0, 10, 10, 0)
+
+
+def test_a_move_asks_for_what_is_still_owed() -> None:
+    migration = Migration(3, SamplingSpec(max_tokens=10, min_tokens=4), reconnects=0)
+    migration.record(chunk([5, 6]))
+    migration.record(chunk([], [SequenceOutput(token_ids=[7])]))
+    extra, owed = migration.moved(reconnects=2)
+    assert extra == [5, 6, 7] and owed.max_tokens == 7 and owed.min_tokens == 1
+    assert migration.count == 1 and migration.tokens_before == 3 and migration.reconnects == 2
+
+
+def test_what_may_not_move() -> None:
+    assert Migration(1, SamplingSpec(), 0).movable()
+    assert not Migration(0, SamplingSpec(), 0).movable()  # --migration-limit 0
+    assert not Migration(3, SamplingSpec(n=2), 0).movable()
+    assert not Migration(3, SamplingSpec(prompt_logprobs=1), 0).movable()
+    stops = Migration(3, SamplingSpec(stop=["x"]), 0)
+    assert stops.movable()  # nothing sent yet: nothing held back
+    stops.record(chunk([1]))
+    assert not stops.movable()
+    done = Migration(3, SamplingSpec(max_tokens=1), 0)
+    done.record(chunk([1]))
+    assert not done.movable()
+
+
+def test_what_was_lost() -> None:
+    registry = WorkerRegistry()
+    registry.observe(beat(R.PREFILL, "p"))
+    registry.observe(beat(R.DECODE, "d"))
+    router = Router(registry, TransferMode.PUSH, 0)
+    route = router.route(10)
+    migration = Migration(3, SamplingSpec(), reconnects=0)
+    assert migration.lost(router, route, answered=False, reconnects=0) is None
+    assert migration.lost(router, route, answered=False, reconnects=1) is Lost.BUS
+    registry.observe(beat(R.PREFILL, "p", epoch=2))
+    assert migration.lost(router, route, answered=False, reconnects=0) is Lost.PREFILL
+    assert migration.lost(router, route, answered=True, reconnects=0) is None  # D has all
+    registry.observe(beat(R.DECODE, "d", epoch=2))
+    assert migration.lost(router, route, answered=True, reconnects=0) is Lost.DECODE
+
+
+def test_with_nowhere_to_move_only_a_bus_break_waits_and_not_for_ever() -> None:
+    migration = Migration(3, SamplingSpec(), 0)
+    assert not migration.waits(Lost.DECODE, 10.0, bus_broke=False, bus_grace_s=6.0)
+    assert migration.waits(Lost.PREFILL, 10.0, bus_broke=False, bus_grace_s=6.0)
+    assert migration.waits(Lost.BUS, 11.0, bus_broke=False, bus_grace_s=6.0)
+    assert migration.waits(Lost.DECODE, 15.9, bus_broke=True, bus_grace_s=6.0)
+    assert not migration.waits(Lost.DECODE, 16.1, bus_broke=True, bus_grace_s=6.0)
