@@ -1,7 +1,7 @@
 """Membership: the one view of which workers are alive, shared by the gateway, prefill and decode.
 
 Every worker publishes a ``WorkerHeartbeat`` on ``kvpush.v1.heartbeat.<role>.<id>`` every
-``--heartbeat-s`` (0.5 s) and states its lease in it (``lease_ms``: ``--lease-s``, 2 s). A
+``--heartbeat-s`` (0.5 s) and states its lease in it (``lease_ms``: ``--lease-s``, 1.5 s). A
 ``Membership`` fed with those heartbeats (``observe``; at start also with the JetStream
 registry's last ones, aged by their ``sent_at_ms``) and ticked on a timer (``tick``, every
 quarter of its default lease) holds one ``Member`` per (role, worker id). A member is ``ALIVE``
@@ -34,7 +34,7 @@ from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_S = 2.0
+DEFAULT_LEASE_S = 1.5  # three heartbeats: a kill is noticed within 2 s
 
 
 class MemberState(enum.Enum):

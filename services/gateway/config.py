@@ -159,7 +159,7 @@ SETTINGS: tuple[Setting, ...] = (
         "worker_lease_s",
         ("--worker-lease-s",),
         float,
-        "a worker silent this long is gone, where its heartbeats state no lease (default 2)",
+        "a worker silent this long is gone, where its heartbeats state no lease (default 1.5)",
     ),
     Setting(
         "migration_limit",
@@ -232,7 +232,7 @@ class GatewayConfig:
     required_roles: tuple[WorkerRole, ...] = (WorkerRole.PREFILL, WorkerRole.DECODE)
     stream_idle_timeout_s: float = 300.0  # first token on: the longest gap between tokens
     api_keys: tuple[str, ...] = ()
-    worker_lease_s: float = 2.0  # the lease of workers whose heartbeats state none
+    worker_lease_s: float = 1.5  # the lease of workers whose heartbeats state none
     migration_limit: int = 3  # moves of one request to another decode worker
     max_body_bytes: int = 8 * 1024 * 1024
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails

@@ -3,7 +3,7 @@ P, which D, which mode.
 
 ``WorkerRegistry`` feeds the heartbeats seen on ``kvpush.v1.heartbeat.>`` to a ``Membership``
 (docs/bus.md, membership): a worker is *alive* while its heartbeats keep arriving within its
-lease (the one its heartbeats state, 2 s by default; ``--worker-lease-s`` for heartbeats that
+lease (the one its heartbeats state, 1.5 s by default; ``--worker-lease-s`` for heartbeats that
 state none); a look-up expires the members past their lease first. A *draining* worker stays
 alive (its in-flight requests finish) but gets no new work and does not count for readiness. A
 heartbeat with a new epoch means the worker restarted: requests routed to an older epoch are

@@ -67,12 +67,13 @@ class WorkerConfig:
     enforce_eager: str = "auto"  # auto: off on cuda (torch.compile + CUDA graphs), on on cpu
     engine_args: tuple[str, ...] = ()  # `vllm serve` engine flags, parsed by vLLM (engine_args.py)
     heartbeat_s: float = 0.5
-    lease_s: float = 2.0  # silent this long, peers count the worker gone (its heartbeats say so)
+    lease_s: float = 1.5  # silent this long, peers count the worker gone (its heartbeats say so)
     registry_ttl_s: float = 5.0  # the registry bucket's TTL (set by whoever creates it)
     registry_replicas: int = 1  # ... and its JetStream replicas (3 on a 3-server cluster)
     drain_grace_s: float = 0.5  # keep taking requests this long after the draining beat
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
     transfer_timeout_s: float = 30.0  # a transfer without a deadline gets this long
+    kv_checksum: str = "on"  # "on": P checksums the moved KV, D verifies it; "off": neither
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: any free port (it is advertised in heartbeats)
     advertise_host: str | None = None
@@ -91,6 +92,7 @@ class WorkerConfig:
             "side_channel_host": self.side_channel_host,
             "side_channel_port": self.side_channel_port,
             "transfer_timeout_s": self.transfer_timeout_s,
+            "kv_checksum": self.kv_checksum == "on",
         }
         connector, module = VLLM_CONNECTOR_CLASS, VLLM_CONNECTOR_MODULE
         if self.fault_layer_delay_ms or self.fault_step_delay_ms:  # tests and soak runs
@@ -192,7 +194,7 @@ def config_from_args(
     tp, executor = values.get("tensor_parallel_size", 1), values.get("executor", "")
     if tp < 1:
         raise ConfigError(f"--tp must be >= 1, not {tp}")
-    heartbeat_s, lease_s = values.get("heartbeat_s", 0.5), values.get("lease_s", 2.0)
+    heartbeat_s, lease_s = values.get("heartbeat_s", 0.5), values.get("lease_s", 1.5)
     if not 0 < heartbeat_s * 2 <= lease_s:
         raise ConfigError(
             f"--lease-s ({lease_s:g}) must be at least two heartbeats"

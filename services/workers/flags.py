@@ -190,7 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
         ("--lease-s",),
         float,
         "silent this long (no heartbeat), peers count this worker gone and release what it held;"
-        " its heartbeats carry it (default 2)",
+        " its heartbeats carry it (default 1.5)",
     ),
     Setting(
         "drain_timeout_s",
@@ -203,6 +203,15 @@ SETTINGS: tuple[Setting, ...] = (
         ("--transfer-timeout-s",),
         float,
         "KV transfer timeout for requests without a deadline (default 30)",
+    ),
+    Setting(
+        "kv_checksum",
+        ("--kv-checksum",),
+        str,
+        "checksum the KV of every push and pull: P computes it on the KV's device, D verifies it"
+        " before the request runs and computes the prompt itself on a mismatch (default on;"
+        " off: nothing computed, nothing verified; set it on P and D alike)",
+        choices=("on", "off"),
     ),
     Setting(
         "side_channel_host",

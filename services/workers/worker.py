@@ -4,12 +4,12 @@
 ``AsyncLLM`` with its engine-core process, as ``vllm serve`` runs it, the CUDA default; or an
 ``EngineHost``, a sync engine stepped on a thread of this process only when there is work, the
 CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (transfer_id ->
-``InFlight``, inflight.py; the engine request id *is* the transfer id), heartbeats on
-``kvpush.v1.heartbeat.<role>.<id>`` every ``heartbeat_s`` (stating its ``lease_s``) and the
-worker's entry in the JetStream KV bucket of ``registry`` (key ``<role>.<id>``, value: the last
-heartbeat; it seeds a starting peer's view), the view of the other role's workers (``peers``:
-``PeerWatch``, ``services.membership``), and with ``--metrics-port`` vLLM's own engine metrics
-(the ``vllm:*`` series its engine records in this process) on ``http://HOST:PORT/metrics``.
+``InFlight``, inflight.py; the engine request id *is* the transfer id), its heartbeats
+(``heartbeats.Heartbeats``: every ``heartbeat_s``, stating its ``lease_s``, and its entry in the
+JetStream KV bucket of ``registry``, which seeds a starting peer's view), the view of the other
+role's workers (``peers``: ``PeerWatch``, ``services.membership``), and with
+``--metrics-port`` vLLM's own engine metrics (the ``vllm:*`` series its engine records in this
+process) on ``http://HOST:PORT/metrics``.
 ``PrefillWorker`` / ``DecodeWorker`` add what a request means for their role (``serve``,
 ``refuse``) and what a gone peer held means for them.
 
@@ -66,6 +66,7 @@ from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
+from kvpush.services.workers.heartbeats import Heartbeats
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.peers import PeerWatch
 from kvpush.services.workers.registry import Registry
@@ -97,11 +98,10 @@ class Worker:
         self._inflight: dict[str, InFlight] = {}
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
-        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._beats: Heartbeats | None = None  # from start()
         other = WorkerRole.PREFILL if self.role is WorkerRole.DECODE else WorkerRole.DECODE
         self.peers = PeerWatch(other, config.lease_s)
         self._draining = False
-        self._closing = False  # cleanup began: the heartbeat loop ends
         self._stop = asyncio.Event()
 
     @property
@@ -164,14 +164,19 @@ class Worker:
         sub = await self.bus.subscribe(self.request_filter(), self._on_request)
         self._request_subs.append(sub)
         await self.bus.flush()
-        self._heartbeat_task = asyncio.create_task(self._heartbeats(), name="heartbeats")
+        cfg = self.config
+        self._beats = Heartbeats(
+            self.bus, self._registry, self.heartbeat, self._rejoin, cfg.heartbeat_s, cfg.lease_s
+        )
+        self._beats.start()
 
     async def drain(self) -> None:
         """Stop taking requests, finish the in-flight ones, then the connector's transfers."""
         cfg = self.config
         self._draining = True
         log.info("draining: %d request(s) in flight", len(self._inflight))
-        await self._beat()  # the gateway stops routing here
+        if self._beats is not None:
+            await self._beats.beat()  # the gateway stops routing here
         await asyncio.sleep(cfg.drain_grace_s)  # requests published before it saw the beat
         for sub in self._request_subs:
             with contextlib.suppress(Exception):
@@ -197,16 +202,8 @@ class Worker:
 
     async def cleanup(self) -> None:
         await self.peers.stop()
-        if self._heartbeat_task is not None:
-            # with NATS gone a beat sits in nats-py's own timeouts, which can swallow a cancel
-            # (asyncio.wait_for before 3.12): the loop also ends on _closing, and we wait a
-            # bounded time (a worker stuck here after SIGTERM was seen in a bench test)
-            self._closing = True
-            self._heartbeat_task.cancel()
-            await asyncio.wait({self._heartbeat_task}, timeout=self.config.heartbeat_s + 5.0)
-        if self._registry is not None:  # bounded: NATS may be gone already
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._registry.delete(self.role, self.worker_id), 5.0)
+        if self._beats is not None:  # bounded: NATS may be gone already
+            await self._beats.stop(self.role, self.worker_id)
         await asyncio.to_thread(self.host.stop)
         if self._metrics is not None:
             self._metrics.shutdown()
@@ -355,16 +352,6 @@ class Worker:
         """Live workers of ``role`` from the registry (empty without one)."""
         return await self._registry.entries(role) if self._registry is not None else []
 
-    async def _heartbeats(self) -> None:
-        last_beat = None  # the gap between two beats is what the peers see
-        while not self._closing:
-            now = time.monotonic()
-            if last_beat is not None and now - last_beat > self.config.lease_s:
-                self._rejoin(now - last_beat)
-            last_beat = now
-            await self._beat()
-            await asyncio.sleep(self.config.heartbeat_s)
-
     def _rejoin(self, stalled_s: float) -> None:
         """Our heartbeats stalled past the lease: peers released what we held."""
         log.warning(
@@ -377,15 +364,6 @@ class Worker:
         for entry in list(self._inflight.values()):
             self._abort(entry, "worker stalled past its lease")
         self.epoch = max(now_ms(), self.epoch + 1)
-
-    async def _beat(self) -> None:
-        beat = self.heartbeat()
-        try:
-            await self.bus.publish(subjects.heartbeat(self.role, self.worker_id), beat, span=False)
-            if self._registry is not None:
-                await self._registry.put(beat)
-        except Exception as exc:
-            log.warning("heartbeat failed: %r", exc)
 
 
 def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
