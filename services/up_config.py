@@ -29,6 +29,7 @@ PASSED_TO_WORKERS = (
     "max_inflight",
     "max_num_seqs",
     "reasoning_parser",
+    "kv_checksum",
 )
 
 
@@ -61,6 +62,7 @@ class UpConfig:
     prefill_engine_args: tuple[str, ...] = ()  # ... and those of one role's engines, after them
     decode_engine_args: tuple[str, ...] = ()
     reasoning_parser: str | None = None  # every worker's engine and the gateway's serving layer
+    kv_checksum: str | None = None  # every worker's (see kvpush prefill --help)
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
     start_timeout_s: float = 300.0

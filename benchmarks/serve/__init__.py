@@ -55,6 +55,7 @@ ALL_SYSTEMS = (
     "aggregated",
     *EAGER_SYSTEMS,
     "kvpush-push-mps",  # an extra row: kvpush up --mps on (GPU)
+    "kvpush-push-unchecked",  # an extra row: --kv-checksum off (what the check costs)
 )
 CAPACITY_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.05)
 DEFAULT_TABLES = "random:512,random:1024,random:2048,sonnet:2048"

@@ -8,8 +8,8 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
 - ``KvpushSystem``: ``kvpush up`` in push or pull mode (embedded nats-server, gateway, one P,
   one D, every prompt moved: ``--local-threshold 0``; on a GPU the workers' defaults, each
   engine as ``vllm serve`` runs it, and ``-eager`` rows add ``--enforce-eager``; the
-  ``kvpush-push-mps`` row adds ``--mps on``), optionally
-  with ``--trace-file`` (spans for ``kvpush ttft``). Every request names its mode
+  ``kvpush-push-mps`` row adds ``--mps on``, ``kvpush-push-unchecked`` ``--kv-checksum off``),
+  optionally with ``--trace-file`` (spans for ``kvpush ttft``). Every request names its mode
   (``kvpush_mode``, ``request_extra``): the gateway then answers 503 when no prefill worker is
   alive instead of degrading to local mode (``gateway/routing.py``, ``Router.route``), so a
   benchmark point cannot silently measure decode computing the prompt.
@@ -185,6 +185,7 @@ class KvpushSystem(System):
     first_token_by = "prefill"  # the gateway's default, named: the TTFT breakdown reads it
     eager: ClassVar[bool] = False  # --enforce-eager (the -eager rows; CPU engines always are)
     mps: ClassVar[bool] = False  # --mps on (the -mps rows: P and D share the GPU's SMs)
+    kv_checksum: ClassVar[bool] = True  # False: --kv-checksum off (the -unchecked row)
 
     def __init__(self) -> None:
         super().__init__()
@@ -215,6 +216,8 @@ class KvpushSystem(System):
             argv.append("--enforce-eager")
         if self.mps:
             argv += ["--mps", "on"]
+        if not self.kv_checksum:
+            argv += ["--kv-checksum", "off"]
         if ctx.trace_dir is not None:
             suffix = f"-{self.run_label}" if self.run_label else ""
             self.trace_file = ctx.trace_dir / f"{self.name}{suffix}.jsonl"
@@ -248,7 +251,19 @@ class KvpushPushMps(KvpushPush):
     mps = True
 
 
+class KvpushPushUnchecked(KvpushPush):
+    name = "kvpush-push-unchecked"
+    kv_checksum = False
+
+
 KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
     cls.name: cls
-    for cls in (KvpushPush, KvpushPull, KvpushPushEager, KvpushPullEager, KvpushPushMps)
+    for cls in (
+        KvpushPush,
+        KvpushPull,
+        KvpushPushEager,
+        KvpushPullEager,
+        KvpushPushMps,
+        KvpushPushUnchecked,
+    )
 }

@@ -165,8 +165,8 @@ SETTINGS: tuple[Setting, ...] = (
         "migration_limit",
         ("--migration-limit",),
         int,
-        "how many times a request whose decode worker died moves to another one, continuing"
-        " from its prompt and the tokens already sent (default 3; 0: it fails with 502)",
+        "how many times one request moves to other workers when its own die (a decode worker:"
+        " continuing from its prompt and the tokens already sent; default 3; 0: never)",
     ),
     Setting(
         "max_body_bytes",
