@@ -14,7 +14,8 @@
 # benchmark in two parts of under 10 minutes, joined afterwards with
 # `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
 # command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
-# (the engine-mode probe, tests/gpu/gpu_engine.py). Every step first unpacks the bundle once (/tmp/site) and makes
+# (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
+# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -44,6 +45,15 @@ ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --
     --time-budget "${BUDGET:-560}")
 
 case $step in
+checksum)
+    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
+        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
+        --capacity 2048=19 --fractions 0.25,0.5 --concurrency 1 --duration 10 --min-requests 8 \
+        --time-budget 540 --systems kvpush-push,kvpush-push-unchecked \
+        --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
+    echo "checksum rc=$?"; tail -8 "$out/checksum.log"
+    tar czf "$out/checksum.tgz" -C "$out" checksum && rm -rf "$out/checksum"
+    ;;
 engines)
     name=${SYSTEMS:?SYSTEMS=one,or,more}
     # RESTART=1: the system is started once more after its points (E10, restart_s)

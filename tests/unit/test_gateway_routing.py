@@ -6,36 +6,12 @@ import argparse
 
 import pytest
 
-from kvpush.schemas.messages import TransferMode, WorkerHeartbeat, WorkerRole
+from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services.gateway import ConfigError, GatewayConfig, add_arguments
 from kvpush.services.gateway.routing import DECODE_ONLY, NoWorkerError, Router, WorkerRegistry
+from tests.unit.beats import Clock, beat
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def beat(role: WorkerRole, worker: str, **fields: object) -> WorkerHeartbeat:
-    values: dict[str, object] = {
-        "worker_id": worker,
-        "role": role,
-        "epoch": 1,
-        "model": "m",
-        "side_channel": "tcp://127.0.0.1:5555",
-        "in_flight": 0,
-        "queue_depth": 0,
-        "free_blocks": 100,
-        "total_blocks": 100,
-        "sent_at_ms": 0,
-        **fields,
-    }
-    return WorkerHeartbeat(**values)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -4,34 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
+from kvpush.schemas.messages import WorkerRole
 from kvpush.services.membership import LeaveReason, Member, Membership, MemberState
+from tests.unit.beats import Clock, beat
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def beat(worker_id: str, role: WorkerRole = D, epoch: int = 1, draining: bool = False):
-    return WorkerHeartbeat(
-        worker_id=worker_id,
-        role=role,
-        epoch=epoch,
-        model="m",
-        side_channel="127.0.0.1:1",
-        in_flight=0,
-        queue_depth=0,
-        free_blocks=10,
-        total_blocks=10,
-        sent_at_ms=0,
-        draining=draining,
-    )
 
 
 def membership(lease_s: float = 2.0) -> tuple[Membership, Clock, list[tuple[str, Member]]]:
@@ -49,7 +26,7 @@ def ids(view: Membership, role: WorkerRole, **kw: bool) -> list[str]:
 
 def test_a_silent_worker_leaves_within_the_lease_plus_one_tick() -> None:
     view, clock, events = membership(lease_s=2.0)
-    view.observe(beat("d0"))
+    view.observe(beat(D, "d0"))
     assert [e for e, _ in events] == ["joined"] and ids(view, D) == ["d0"]
     clock.now += 2.0
     view.tick()
@@ -65,7 +42,7 @@ def test_a_silent_worker_leaves_within_the_lease_plus_one_tick() -> None:
 def test_heartbeats_keep_a_worker_alive() -> None:
     view, clock, events = membership(lease_s=2.0)
     for _ in range(10):
-        view.observe(beat("p0", P))
+        view.observe(beat(P, "p0"))
         clock.now += 1.5
         view.tick()
     assert ids(view, P) == ["p0"] and len(events) == 1
@@ -73,35 +50,35 @@ def test_heartbeats_keep_a_worker_alive() -> None:
 
 def test_a_restart_is_a_leave_then_a_join_and_late_beats_are_ignored() -> None:
     view, _, events = membership()
-    view.observe(beat("d0", epoch=1))
-    view.observe(beat("d0", epoch=2))
+    view.observe(beat(D, "d0", epoch=1))
+    view.observe(beat(D, "d0", epoch=2))
     assert [(e, m.heartbeat.epoch) for e, m in events] == [
         ("joined", 1),
         ("left", 1),
         ("joined", 2),
     ]
     assert events[1][1].left_because is LeaveReason.RESTARTED
-    view.observe(beat("d0", epoch=1))  # late, from the old incarnation
+    view.observe(beat(D, "d0", epoch=1))  # late, from the old incarnation
     assert view.epoch(D, "d0") == 2 and len(events) == 3
 
 
 def test_a_worker_stopped_past_its_lease_leaves_then_joins_again_as_a_new_member() -> None:
     view, clock, events = membership(lease_s=2.0)
-    view.observe(beat("p0", P, epoch=7))
+    view.observe(beat(P, "p0", epoch=7))
     clock.now += 3.0
-    view.observe(beat("p0", P, epoch=7))  # SIGCONT before any tick: it left all the same
+    view.observe(beat(P, "p0", epoch=7))  # SIGCONT before any tick: it left all the same
     assert [e for e, _ in events] == ["joined", "left", "joined"] and view.rejoined == 1
     assert events[1][1] is not events[2][1] and ids(view, P) == ["p0"]
 
 
 def test_a_worker_states_its_own_lease_and_registry_entries_are_aged() -> None:
     view, clock, events = membership(lease_s=2.0)
-    slow = msgspec.structs.replace(beat("p0", P), lease_ms=10_000)
+    slow = msgspec.structs.replace(beat(P, "p0"), lease_ms=10_000)
     view.observe(slow)
     clock.now += 5.0
     view.tick()
     assert ids(view, P) == ["p0"]  # its own lease (10 s), not the view's default (2 s)
-    view.observe(beat("d0"), age_s=1.5)  # from the registry, sent 1.5 s ago
+    view.observe(beat(D, "d0"), age_s=1.5)  # from the registry, sent 1.5 s ago
     clock.now += 0.6
     view.tick()
     assert ids(view, D) == [] and events[-1][1].left_because is LeaveReason.EXPIRED
@@ -109,17 +86,17 @@ def test_a_worker_states_its_own_lease_and_registry_entries_are_aged() -> None:
 
 def test_draining_members_are_alive_but_not_offered_for_new_work() -> None:
     view, _, events = membership()
-    view.observe(beat("d0"))
-    view.observe(beat("d0", draining=True))
+    view.observe(beat(D, "d0"))
+    view.observe(beat(D, "d0", draining=True))
     assert ids(view, D) == [] and ids(view, D, include_draining=True) == ["d0"]
     assert view.epoch(D, "d0") == 1 and len(events) == 1
-    view.observe(beat("d0"))  # back to work
+    view.observe(beat(D, "d0"))  # back to work
     assert ids(view, D) == ["d0"]
 
 
 def test_deregistering_leaves_at_once() -> None:
     view, _, events = membership()
-    view.observe(beat("d0"))
+    view.observe(beat(D, "d0"))
     view.deregister(D, "d0")
     assert ids(view, D) == [] and events[-1][1].left_because is LeaveReason.DEREGISTERED
 
@@ -127,18 +104,18 @@ def test_deregistering_leaves_at_once() -> None:
 def test_roles_filter_and_the_member_bound() -> None:
     clock = Clock()
     view = Membership(2.0, roles=frozenset({P}), max_members=2, clock=clock)
-    view.observe(beat("d0", D))
+    view.observe(beat(D, "d0"))
     assert ids(view, D) == []  # not a role this view keeps
     for name in ("p0", "p1", "p2"):
-        view.observe(beat(name, P))
+        view.observe(beat(P, name))
     assert ids(view, P) == ["p0", "p1"] and view.rejected == 1
     clock.now += 3.0
     view.tick()
-    view.observe(beat("p2", P))  # gone members make room
+    view.observe(beat(P, "p2"))  # gone members make room
     assert ids(view, P) == ["p2"]
 
 
 def test_member_moves_only_along_legal_transitions() -> None:
-    member = Member(beat("d0"), 0.0)
+    member = Member(beat(D, "d0"), 0.0)
     assert member.move(MemberState.GONE, LeaveReason.EXPIRED)
     assert not member.move(MemberState.ALIVE) and member.state is MemberState.GONE

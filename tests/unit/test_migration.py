@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from kvpush.schemas.messages import SequenceOutput, TokenChunk, TransferMode, WorkerHeartbeat
+from kvpush.schemas.messages import SequenceOutput, TokenChunk, TransferMode
 from kvpush.schemas.messages import WorkerRole as R
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.gateway.migration import Lost, Migration
 from kvpush.services.gateway.routing import Router, WorkerRegistry
+from tests.unit.beats import beat
 
 
 def chunk(ids: list[int], outputs: list[SequenceOutput] | None = None) -> TokenChunk:
     return TokenChunk("r", "t", 0, ids, "x", outputs=outputs)
-
-
-def beat(role: R, worker_id: str, epoch: int = 1) -> WorkerHeartbeat:
-    return WorkerHeartbeat(worker_id, role, epoch, "m", "tcp://h:1", 0, 0, 10, 10, 0)
 
 
 def test_a_move_asks_for_what_is_still_owed() -> None:

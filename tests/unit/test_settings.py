@@ -97,10 +97,11 @@ def test_worker_flags_parse_into_the_config(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     worker_config.add_arguments(parser)
     args = parser.parse_args(["--cpus", "0-2", "--nats", "nats://h:1", "--model", str(tmp_path)])
-    config = worker_config.config_from_args(WorkerRole.PREFILL, args, {"KVPUSH_HEARTBEAT_S": "0.75"})
+    env = {"KVPUSH_HEARTBEAT_S": "0.75"}
+    config = worker_config.config_from_args(WorkerRole.PREFILL, args, env)
     assert config.cpu_cores == [0, 1, 2] and config.nats_url == "nats://h:1"
-    assert config.heartbeat_s == 0.75 and config.max_inflight == 1024 and config.max_num_seqs is None
-    assert config.lease_s == 1.5
+    assert config.heartbeat_s == 0.75 and config.lease_s == 1.5
+    assert config.max_inflight == 1024 and config.max_num_seqs is None
     with pytest.raises(ConfigError, match="two heartbeats"):
         worker_config.config_from_args(
             WorkerRole.PREFILL, args, {"KVPUSH_HEARTBEAT_S": "1", "KVPUSH_LEASE_S": "1.5"}
