@@ -31,13 +31,16 @@ Examples:
   kvpush bench report docs/benchmarks/serve/results.json --out docs/benchmarks/serve.md"""
 
 _SOAK_DOC = """\
-kvpush bench soak: its own stack (nats-server, gateway, one slow prefill worker, one decode
-worker, tiny model), greedy requests in push/pull/local mode (JSON, streamed, dropped by the
-client) checked by token ids against references, and a fault every --fault-every seconds (kill
-P or D, stop D past its lease, restart nats-server, a burst past the in-flight bound). Before
-and after each fault the load pauses and every worker's idle free blocks are recorded: leaks
-per fault kind. Every error must be an OpenAI error body that the running fault explains.
-Exit 1 on a wrong token, an unexpected answer, a leaked block, or a success share below
+kvpush bench soak: its own stack (nats-server, gateway, --prefill N slow prefill workers and
+--decode N decode workers, 2 and 2 by default, tiny model), greedy requests in push/pull/local
+mode (JSON, streamed, dropped by the client) checked by token ids against references, and a
+fault every --fault-every seconds (--faults: kill a random P or D, stop one past its lease,
+restart nats-server once per run; a burst past the in-flight bound on request). Each fault's
+detection time, recovery to full throughput and moved requests are measured. Before and after
+each fault the load pauses and every worker's idle free blocks are recorded: leaks per fault
+kind. Every error must be an OpenAI error body that the running fault explains (with redundant
+workers, a single worker's death explains none). Exit 1 on a wrong token, an unexpected answer,
+a leaked block, a detection past --detect-target, or a success share below
 --min-success-share. --report IN renders a JSON report again; --doc MD rewrites its table."""
 
 

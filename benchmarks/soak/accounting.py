@@ -1,8 +1,9 @@
 """The soak's books: judged requests by category and path, and KV blocks leaked per interval.
 
-Requests: ``Tally.add(judgement, delivery, window)`` counts each answer once; ``success_share``
-is the token-exact 200s over every request but the client's own aborts (those are neither a
-success nor a failure of the stack).
+Requests: ``Tally.add(judgement, delivery, window, moved)`` counts each answer once (``moved``:
+the gateway moved it to other workers on the way, counted apart among the token-exact ones);
+``success_share`` is the token-exact 200s over every request but the client's own aborts
+(those are neither a success nor a failure of the stack).
 
 Blocks: the soak quiesces the stack (clients paused, every worker ``in_flight`` 0 and its free
 block count stable) before each fault and again after the stack settled, and records an
@@ -167,10 +168,14 @@ class Tally:
         self._errors: Counter[tuple[str, str, bool]] = Counter()
         self._windows: Counter[tuple[str, str]] = Counter()  # (window, category)
         self.examples: list[str] = []  # the first unexpected answers and wrong ones, verbatim
+        self.moved = 0  # token-exact 200s the gateway moved to other workers on the way
 
-    def add(self, judgement: Judgement, delivery: Delivery, window: str) -> None:
+    def add(
+        self, judgement: Judgement, delivery: Delivery, window: str, moved: bool = False
+    ) -> None:
         category = judgement.category
         self.categories[category.value] += 1
+        self.moved += category is Category.OK and moved
         self._windows[window, category.value] += 1
         if category is Category.OK:
             self._paths[judgement.path, delivery.value] += 1

@@ -3,10 +3,15 @@
 ``send`` posts a greedy ``/v1/completions`` request (``kvpush_mode`` when one is asked for)
 and reads it the way its ``Delivery`` says: the JSON body (stream=false), the SSE stream to
 ``[DONE]``, or the first SSE event only, after which the client goes away (a client abort).
+The answer's id (the request's id on the bus) is the ``X-Request-Id`` header, else the JSON
+body's or the first stream event's ``id`` (the gateway sets the header on a stream only when
+the client sent one).
 Anything not in the OpenAI shapes the gateway promises becomes ``Answer.problem``: a non-JSON
 or non-OpenAI error body, a 200 that is not JSON / not an event stream, an event that is not
 ``data: <json>``, a stream that ends without ``[DONE]``, a connection reset or a client
 timeout (the gateway answers every request within its own deadline, well under the client's).
+Every answer carries the seconds from sending to its end (``elapsed_s``: some errors must come
+fast).
 
 Each client has its own ``aiohttp`` session without keep-alive (``force_close``): a pause of
 the load longer than the server's keep-alive must not turn into a reset on a reused connection.
@@ -16,7 +21,9 @@ Threading model: asyncio, on the soak's loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -109,6 +116,8 @@ async def _stream_answer(
         text = _text_of(event)
         if text is None:
             return Answer(delivery, 200, request_id, problem="stream event without choices[0].text")
+        if not request_id and isinstance(event.get("id"), str):
+            request_id = event["id"]  # the gateway names a stream only in its events
         texts.append(text)
         if delivery is Delivery.ABORT:
             return Answer(delivery, 200, request_id, text)  # leaving now closes the connection
@@ -125,7 +134,23 @@ async def send(
     model: str,
     max_tokens: int,
 ) -> Answer:
-    """One request, read as ``delivery`` says; see the module docstring."""
+    """One request, read as ``delivery`` says, with the seconds it took (``elapsed_s``); see
+    the module docstring."""
+    started = time.monotonic()
+    answer = await _send(client, url, prompt, mode, delivery, model=model, max_tokens=max_tokens)
+    return dataclasses.replace(answer, elapsed_s=round(time.monotonic() - started, 3))
+
+
+async def _send(
+    client: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    mode: str | None,
+    delivery: Delivery,
+    *,
+    model: str,
+    max_tokens: int,
+) -> Answer:
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,

@@ -5,14 +5,17 @@
 prefix whose ids differ from the reference), any unexpected answer (an error the running fault
 does not explain, a non-OpenAI body, a reset, a timeout), any leaked block or worker that never
 went idle, a success share below ``--min-success-share``, no fault injected (or a kind of
-fault missing from a whole round), no request checked with KV received from the prefill worker
-in push and in pull mode (a soak of local answers proves nothing about KV), the gateway's own
-kv outcome counts disagreeing with the soak's checked paths, or a load phase that stopped
-early (a worker or nats-server that failed on its own).
+fault missing from a whole round; with the killer's schedule, a nats-server restarted other
+than once), a killed or stopped worker the gateway never counted gone or counted gone later
+than ``detect_target_s`` (``measure.detection_failures``), no request checked with KV received
+from the prefill worker in push and in pull mode (a soak of local answers proves nothing about
+KV), the gateway's own kv outcome counts disagreeing with the soak's checked paths, or a load
+phase that stopped early (a worker or nats-server that failed on its own).
 
 ``markdown`` renders the tables of a report, deterministically, so the copy in
 ``docs/reliability.md`` (its generated section ``SECTION``, see ``kvpush.benchmarks.docgen``)
-can be checked against the committed JSON.
+can be checked against the committed JSON. Reports written before the killer (one worker per
+role, every kind in rounds) load with the defaults of the fields they lack.
 
 Threading model: none (pure functions).
 """
@@ -31,13 +34,21 @@ from kvpush.benchmarks.soak.accounting import (
     PathCount,
     leak_failures,
 )
-from kvpush.benchmarks.soak.checks import FAULTS
+from kvpush.benchmarks.soak.measure import (
+    DETECTION_KINDS,
+    FaultRecord,
+    FaultSummary,
+    detection_failures,
+)
 
 SECTION: Final = "soak"
 REPORT_COMMAND: Final = (
     "kvpush bench soak --report docs/reliability-soak.json --doc docs/reliability.md"
 )
 TRANSFERRED: Final = ("push/received", "pull/received")
+NATS: Final = "restart_nats"
+ROUNDS, KILLER = "rounds", "killer"  # schedules: every kind in rounds; nats-server once
+BEFORE_KILLER: Final = ("kill_prefill", "kill_decode", "stop_decode", NATS, "burst")
 
 
 class SoakSettings(msgspec.Struct, frozen=True):
@@ -55,6 +66,12 @@ class SoakSettings(msgspec.Struct, frozen=True):
     burst_clients: int
     settle_timeout_s: float
     min_success_share: float
+    prefill: int = 1
+    decode: int = 1
+    faults: tuple[str, ...] = BEFORE_KILLER
+    schedule: str = ROUNDS
+    rate_window_s: float = 10.0  # the sliding window of the throughput (measure.recovery_time)
+    detect_target_s: float = 2.0
 
 
 class SoakReport(msgspec.Struct, frozen=True):
@@ -76,6 +93,9 @@ class SoakReport(msgspec.Struct, frozen=True):
     date: str = "-"  # when the run started (UTC)
     kvpush_rev: str = "-"  # the code it ran (``-dirty``: with uncommitted changes)
     stopped_early: str = ""  # why the load phase ended before its time (a failure)
+    moved: int = 0  # token-exact 200s the gateway moved to other workers on the way
+    fault_records: list[FaultRecord] = []  # one per fault, in order
+    fault_summary: list[FaultSummary] = []  # per kind
 
     @property
     def passed(self) -> bool:
@@ -95,10 +115,17 @@ def failures(report: SoakReport) -> list[str]:
         out.append(f"success share {report.success_share:.3f} below {floor:g}")
     if report.stopped_early:
         out.append(f"the run stopped early: {report.stopped_early}")
+    s = report.settings
+    once = s.schedule == KILLER and NATS in s.faults
+    rounds = [kind for kind in s.faults if not (once and kind == NATS)]
     if not report.faults:
         out.append("no fault was injected")
-    elif sum(report.faults.values()) >= len(FAULTS):  # a whole round ran: every kind in it
-        out += [f"fault {kind} never ran" for kind in FAULTS if not report.faults.get(kind)]
+    else:
+        if sum(report.faults.get(k, 0) for k in rounds) >= len(rounds):  # a whole round ran
+            out += [f"fault {kind} never ran" for kind in rounds if not report.faults.get(kind)]
+        if once and report.faults.get(NATS, 0) != 1:
+            out.append(f"nats-server restarted {report.faults.get(NATS, 0)} times, not once")
+    out += detection_failures(report.fault_records, s.detect_target_s)
     checked = {p.path: p.json + p.stream for p in report.paths}
     out += [f"no {path} request was checked" for path in TRANSFERRED if not checked.get(path)]
     if not counts.get("unverified", 0):  # every 200 attributed to a path: the two must agree
@@ -125,23 +152,40 @@ def _workers(counts: dict[str, int]) -> str:
     return ", ".join(f"{w} x{n}" for w, n in counts.items()) or "-"
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _faults_line(s: SoakSettings) -> str:
+    kinds = ", ".join(k for k in s.faults if not (s.schedule == KILLER and k == NATS))
+    if s.schedule == KILLER:
+        nats = "; nats-server restarted once" if NATS in s.faults else ""
+        return (
+            f"a fault every {s.fault_every_s:g} s ({kinds}, in rounds, each kill or stop on a "
+            f"random worker of its role{nats})"
+        )
+    return f"a fault every {s.fault_every_s:g} s ({kinds}, in rounds)"
+
+
 def markdown(report: SoakReport) -> str:
     s, c = report.settings, report.counts
     verdict = "**PASS**" if report.passed else "**FAIL**: " + "; ".join(report.failures)
+    burst = f", bursts of {s.burst_clients} extra clients" if "burst" in s.faults else ""
     lines = [
         f"Run ({report.date}, commit {report.kvpush_rev}): {s.minutes:g} min of load and "
         f"faults ({report.load_s:.0f} s with the quiesces, "
-        f"{report.wall_s:.0f} s in all), {s.concurrency} clients, a fault every "
-        f"{s.fault_every_s:g} s, P sleeping {s.layer_delay_ms:g} ms per layer, "
-        f"{_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed and "
-        f"dropped by the client, gateway in-flight bound {s.gateway_max_inflight}, bursts of "
-        f"{s.burst_clients} extra clients, {s.recovery_s:g} s of load after each recovery, "
-        f"settle timeout {s.settle_timeout_s:g} s. Verdict: {verdict}.",
+        f"{report.wall_s:.0f} s in all) on {s.prefill} prefill + {s.decode} decode workers, "
+        f"{s.concurrency} clients, {_faults_line(s)}, P sleeping {s.layer_delay_ms:g} ms per "
+        f"layer, {_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed "
+        f"and dropped by the client, gateway in-flight bound {s.gateway_max_inflight}{burst}, "
+        f"{s.recovery_s:g} s of load after each recovery, settle timeout "
+        f"{s.settle_timeout_s:g} s. Verdict: {verdict}.",
         "",
-        "| requests | token-exact 200s | wrong tokens | unverified (ids not seen) "
-        "| client aborts | expected errors | unexpected | success share (floor) |",
+        "| requests | token-exact 200s (moved on the way) | wrong tokens "
+        "| unverified (ids not seen) | client aborts | expected errors | unexpected "
+        "| success share (floor) |",
         "|---|---|---|---|---|---|---|---|",
-        f"| {report.sent} | {c.get('ok', 0)} | **{c.get('wrong', 0)}** "
+        f"| {report.sent} | {c.get('ok', 0)} ({report.moved}) | **{c.get('wrong', 0)}** "
         f"| {c.get('unverified', 0)} | {c.get('aborted', 0)} | {c.get('expected_error', 0)} "
         f"| **{c.get('unexpected', 0)}** | {_share(report.success_share)} "
         f"({_share(s.min_success_share)}) |",
@@ -160,12 +204,13 @@ def markdown(report: SoakReport) -> str:
     lines += [
         "",
         "Blocks leaked per interval (free blocks of each idle worker at its start minus at its "
-        "end; a restarted worker's old blocks die with it, so for it the new incarnation is "
-        "measured: every block free once idle again):",
+        "end; a restarted worker's old blocks die with it, so for it, and for a stopped one that "
+        "rejoined with a new epoch, the new incarnation is measured: every block free once idle "
+        "again):",
         "",
         "| interval | times | requests sent (token-exact) | in flight at the faults "
-        "| workers measured across it | leaked (sum / max) | restarted "
-        "| restarted incarnation leaked (sum / max) |",
+        "| workers measured across it | leaked (sum / max) | new epoch (restarted, rejoined) "
+        "| new incarnation leaked (sum / max) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for leak in report.leaks:
@@ -189,4 +234,44 @@ def markdown(report: SoakReport) -> str:
         for e in report.errors
     ]
     lines += rows or ["| - | none | 0 | - |"]
-    return "\n".join(lines)
+    return "\n".join(lines + _fault_lines(report))
+
+
+def _fault_lines(report: SoakReport) -> list[str]:
+    """The per-kind measurements (``measure``): none for reports written before them."""
+    if not report.fault_summary:
+        return []
+    s = report.settings
+    lines = [
+        "",
+        "Each fault measured, per kind (median / max over its faults; seconds from the signal "
+        f"or the restart): detected = the gateway's membership counts the victim gone (target "
+        f"{s.detect_target_s:g} s); alive again = the gateway counts it alive again (a killed "
+        "worker: started again, with a new epoch); served again = the victim finished a request "
+        "again; full throughput = token-exact 200s per second back to 90% of the load interval "
+        f"before the fault, in every {s.rate_window_s:g} s window from then to the quiesce; "
+        "migrations = requests the gateway moved, by what they lost, over the fault's window:",
+        "",
+        "| fault | times | detected | alive again | served again | full throughput "
+        "| throughput in the window / before | migrations |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for f in report.fault_summary:
+        victim = f.kind in DETECTION_KINDS
+        detect = f"{_s(f.detect_median_s)} / {_s(f.detect_max_s)}" if victim else "n/a"
+        if f.undetected:
+            detect += f", **{f.undetected} never**"
+        served = f"{_s(f.back_median_s)} / {_s(f.back_max_s)}" if victim else "n/a"
+        if f.not_served_again:
+            served += f", {f.not_served_again} not in the window"
+        full = f"{_s(f.recovery_median_s)} / {_s(f.recovery_max_s)}"
+        if f.not_recovered:
+            full += f", {f.not_recovered} not in the window"
+        share = "-" if f.rate_share is None else _share(f.rate_share)
+        moves = ", ".join(f"{lost} {n}" for lost, n in f.migrations.items() if n) or "0"
+        rejoin = _s(f.rejoin_median_s) if victim else "n/a"
+        lines.append(
+            f"| {f.kind} | {f.count} | {detect} | {rejoin} | {served} | {full} | {share} "
+            f"| {moves} |"
+        )
+    return lines

@@ -1,27 +1,30 @@
 """The soak's run: reference answers, clients, the fault cycle, the report; the CLI entry.
 
-``Soak.run``: start the stack; compute a reference (text and token ids) for every prompt of
-the pool with D alone (mode local); quiesce once (the baseline idle sample); then for
-``minutes``: ``concurrency`` clients send requests from the pool (mode: the deployment's
-default twice as often as each of push, pull and local; delivery: JSON, streamed to the end
-with ``stream_share``, streamed and dropped after the first event with ``abort_share``), and
-every ``fault_every`` seconds one fault cycle runs:
+``Soak.run``: start the stack (``prefill`` + ``decode`` workers); compute a reference (text,
+token ids and the prompt's ids) for every prompt of the pool with a decode worker alone (mode
+local); quiesce once (the baseline idle sample); then for ``minutes``: ``concurrency`` clients
+send requests from the pool (mode: the deployment's default twice as often as each of push,
+pull and local; delivery: JSON, streamed to the end with ``stream_share``, streamed and dropped
+after the first event with ``abort_share``), and every ``fault_every`` seconds one fault cycle
+runs:
 
 1. quiesce: the clients pause (``Gate``), the stack settles, each worker's idle free blocks
    are recorded (a worker about to be killed is measured here, before its kill);
-2. the load resumes; 1-3 s later, with requests in flight, one fault is injected and
-   recovered from: a killed worker is started again and beats with a new epoch, a stopped one
-   continued, nats-server restarted; ``burst``: ``burst_clients`` extra clients for 3 s past
-   the gateway's in-flight bound of ``2 x concurrency``. The kinds of ``checks.FAULTS`` come
-   in rounds, each shuffled by a fault-only random stream: every kind gets its turn, and a
-   seed gives the same sequence;
-3. the load runs ``recovery`` seconds more, then quiesce again: the interval's leaks.
+2. the load resumes; 1-3 s later, with requests in flight, the killer (``faults``) plays the
+   next fault of its plan: a random worker of a role killed (started again: a new epoch) or
+   stopped past its lease (continued), nats-server restarted once per run; ``burst``:
+   ``burst_clients`` extra clients for 3 s past the gateway's in-flight bound of
+   ``2 x concurrency``. It measures the fault (``measure.FaultRecord``): detection, the victim
+   alive and serving again, the throughput's recovery, the migrations;
+3. the load runs ``recovery`` seconds more (the end of the fault's window), then quiesce
+   again: the interval's leaks.
 
-Every request is judged (``checks.judge``) in the window it was sent in (the fault being played
-out, or ``load``), and counted (``accounting.Tally``). At the end the load stops, the stack
-settles a last time, and the report (``report.SoakReport``) is printed as markdown, written as
-JSON (``--json``) and spliced into a document (``--doc``); ``--report IN`` renders a written
-report again without running. Exit 1 when the verdict fails.
+Every request is judged (``checks.judge``, against the stack's workers per role) in the window
+it was sent in (the fault being played out, or ``load``), and counted (``accounting.Tally``);
+each token-exact 200's arrival is timed (``measure.Throughput``). At the end the load stops,
+the stack settles a last time, and the report (``report.SoakReport``) is printed as markdown,
+written as JSON (``--json``) and spliced into a document (``--doc``); ``--report IN`` renders
+a written report again without running. Exit 1 when the verdict fails.
 
 Threading model: one asyncio loop (clients, fault cycle, observer, the in-process gateway);
 the workers and nats-server are child processes.
@@ -49,16 +52,10 @@ from kvpush.benchmarks.soak.accounting import (
     make_interval,
     summarize_leaks,
 )
-from kvpush.benchmarks.soak.checks import (
-    FAULTS,
-    LOAD,
-    Category,
-    Delivery,
-    Judgement,
-    Reference,
-    judge,
-)
-from kvpush.benchmarks.soak.report import SoakReport, SoakSettings, failures
+from kvpush.benchmarks.soak.checks import LOAD, Category, Delivery, Judgement, Reference, judge
+from kvpush.benchmarks.soak.faults import FaultPlan, Killer, Played, check_kinds
+from kvpush.benchmarks.soak.measure import FaultRecord, Throughput, recovery_time, summarize
+from kvpush.benchmarks.soak.report import KILLER, SoakReport, SoakSettings, failures
 from kvpush.benchmarks.soak.stack import SoakStack, build_model
 from kvpush.services import models
 
@@ -68,6 +65,7 @@ WORDS = (
     "tocko", "gem", "stind", "griond", "chest", "sosio",
 )  # fmt: skip
 BURST_S = 3.0
+REDUNDANT_FLOOR, ALONE_FLOOR = 0.999, 0.7  # --min-success-share's defaults
 BACKOFF_S = 0.5  # a client waits this long after an error
 
 
@@ -106,16 +104,20 @@ class Soak:
         self.rng = random.Random(settings.seed)  # prompts and the clients' choices
         self.fault_rng = random.Random(settings.seed + 1)  # the fault sequence
         self.stack = SoakStack(
-            build_model(), log_dir, layer_delay_ms=settings.layer_delay_ms,
-            max_inflight=settings.gateway_max_inflight,
+            build_model(), log_dir, prefill=settings.prefill, decode=settings.decode,
+            layer_delay_ms=settings.layer_delay_ms, max_inflight=settings.gateway_max_inflight,
         )  # fmt: skip
+        self.killer = Killer(self.stack)
+        roles = {role.value: ids for role, ids in self.stack.roles.items()}
+        self.plan = FaultPlan(settings.faults, roles, self.fault_rng, settings.minutes * 60)
         self.tally = Tally()
+        self.throughput = Throughput()
         self.gate = Gate()
         self.window = LOAD
         self.pool: list[tuple[str, Reference]] = []
         self.intervals: list[Interval] = []
         self.faults: Counter[str] = Counter()
-        self._round: list[str] = []  # the faults still to come in this round
+        self.records: list[FaultRecord] = []
         self._last: tuple[list[IdleSample], float] = ([], 0.0)  # the last idle sample, when
 
     # ---- requests --------------------------------------------------------------------------
@@ -127,7 +129,8 @@ class Soak:
                 seen = await self.stack.watch.observed(answer.request_id, 10.0)
                 if answer.status != 200 or answer.error or seen is None or not seen.complete:
                     raise RuntimeError(f"no reference for {prompt!r}: {answer} / {seen}")
-                self.pool.append((prompt, Reference(answer.text, seen.token_ids)))
+                reference = Reference(answer.text, seen.token_ids, seen.prompt_ids)
+                self.pool.append((prompt, reference))
 
     async def _send(
         self, http: aiohttp.ClientSession, prompt: str, mode: str | None, delivery: Delivery
@@ -150,19 +153,25 @@ class Soak:
         window = self.window
         try:
             answer = await self._send(http, prompt, mode, delivery)
+            answered = time.monotonic()
             seen = None
             if answer.request_id:  # wait for the final chunk of a 200 (an abort's too)
                 wait = 2.0 if answer.status == 200 and answer.error is None else 0.0
                 seen = await self.stack.watch.observed(answer.request_id, wait)
         finally:
             self.gate.leave()
-        judgement = judge(answer, reference, seen, window)
-        self.tally.add(judgement, delivery, window)
+        s = self.s
+        judgement = judge(answer, reference, seen, window, prefill=s.prefill, decode=s.decode)
+        self.tally.add(judgement, delivery, window, seen is not None and seen.moves > 0)
+        if judgement.category is Category.OK:
+            self.throughput.add(answered)
         return judgement
 
-    async def _client(self, until: float) -> None:
+    async def _client(self, until: float, through_faults: bool = True) -> None:
+        """Requests one after another until ``until`` (and past it while a fault plays out,
+        unless ``through_faults`` is False: a burst's extra clients)."""
         async with client.session() as http:
-            while time.monotonic() < until:
+            while time.monotonic() < until or (through_faults and self.window != LOAD):
                 judgement = await self._one(http)
                 if judgement.category in (Category.EXPECTED_ERROR, Category.UNEXPECTED):
                     await asyncio.sleep(BACKOFF_S)
@@ -172,43 +181,77 @@ class Soak:
         await self.gate.close()
         return await self.stack.settle(self.s.settle_timeout_s)
 
-    async def _inject(self, fault: str) -> None:
-        if fault == "burst":
-            end = time.monotonic() + BURST_S
-            await asyncio.gather(*(self._client(end) for _ in range(self.s.burst_clients)))
-        else:
-            await self.stack.inject(fault)
+    async def _inject(self, kind: str, victim: str) -> Played:
+        if kind != "burst":
+            return await self.killer.play(kind, victim)
+        played = Played(kind, victim, time.monotonic())
+        end = played.at + BURST_S
+        await asyncio.gather(*(self._client(end, False) for _ in range(self.s.burst_clients)))
+        return played
 
-    def _next_fault(self) -> str:
-        """Rounds of every fault kind, each round in a random order: every kind gets its turn."""
-        if not self._round:
-            self._round = list(FAULTS)
-            self.fault_rng.shuffle(self._round)
-        return self._round.pop()
+    def _record(
+        self, played: Played, started: float, in_flight: int, baseline: float, end: float,
+        back_s: float | None, moved: dict[str, int],
+    ) -> FaultRecord:  # fmt: skip
+        now = self.stack.migrations()
+        return FaultRecord(
+            kind=played.kind,
+            victim=played.victim,
+            at_s=round(played.at - started, 1),
+            in_flight=in_flight,
+            window_s=round(end - played.at, 1),
+            baseline_rate=round(baseline, 3),
+            fault_rate=round(self.throughput.rate(played.at, end), 3),
+            detect_s=played.detect_s,
+            rejoin_s=played.rejoin_s,
+            back_s=back_s,
+            recovery_s=recovery_time(
+                self.throughput, played.at, end, baseline, self.s.rate_window_s
+            ),
+            migrations={
+                k: n for k in sorted({*now, *moved}) if (n := now.get(k, 0) - moved.get(k, 0))
+            },
+            profile=self.throughput.profile(played.at, end),
+        )
 
     async def _fault_cycles(self, started: float, until: float) -> None:
         previous, previous_at = self._last
-        # a cycle's fault lands up to 3 s after its quiesce: start one only if it lands in time
-        while time.monotonic() + self.s.fault_every_s + 3.0 < until:
+        loaded = time.monotonic()  # the load interval before the next fault began
+        # a cycle's fault lands up to 3 s after its quiesce: start one only if it lands, and
+        # its recovery load ends, in time (the load goes on while a fault plays out)
+        while time.monotonic() + self.s.fault_every_s + 3.0 + self.s.recovery_s < until:
             await asyncio.sleep(self.s.fault_every_s)
             before = await self._quiesce()
-            at = round(time.monotonic() - started, 1)
+            quiesced = time.monotonic()
+            at = round(quiesced - started, 1)
             self.intervals.append(make_interval(LOAD, previous_at, 0, previous, before))
-            fault = self._next_fault()
-            self.faults[fault] += 1
-            self.window = fault
+            baseline = self.throughput.rate(loaded, quiesced)
+            # no cycle can start after this one (it ends 1 s and its recovery after this one)
+            cycle = self.s.fault_every_s + 3.0 + self.s.recovery_s
+            last = quiesced + 1.0 + self.s.recovery_s + cycle >= until
+            kind, victim = self.plan.next(quiesced - started, last)
+            self.faults[kind] += 1
+            self.window = kind
             self.gate.open()
             await asyncio.sleep(self.fault_rng.uniform(1.0, 3.0))
             assert self.stack.gateway is not None
             in_flight = self.stack.gateway.in_flight
-            _say(f"fault at {at:.0f} s: {fault} ({in_flight} requests in flight)")
-            await self._inject(fault)
+            moved = self.stack.migrations()
+            who = f" of {victim}" if victim else ""
+            _say(f"fault at {at:.0f} s: {kind}{who} ({in_flight} requests in flight)")
+            played = await self._inject(kind, victim)
             await asyncio.sleep(self.s.recovery_s)
+            end = time.monotonic()
+            back_s = await played.close()
             after = await self._quiesce()
-            self.intervals.append(make_interval(fault, at, in_flight, before, after))
+            self.intervals.append(make_interval(kind, at, in_flight, before, after))
+            record = self._record(played, started, in_flight, baseline, end, back_s, moved)
+            self.records.append(record)
+            _say(f"  {record}")
             self.window = LOAD
             self.gate.open()
-            previous, previous_at = after, round(time.monotonic() - started, 1)
+            loaded = time.monotonic()
+            previous, previous_at = after, round(loaded - started, 1)
             self._last = (previous, previous_at)
 
     # ---- the run ---------------------------------------------------------------------------
@@ -278,11 +321,20 @@ class Soak:
             date=date,
             kvpush_rev=docgen.revision(),
             stopped_early=stopped_early,
+            moved=self.tally.moved,
+            fault_records=self.records,
+            fault_summary=summarize(self.records),
         )
         return msgspec.structs.replace(report, failures=failures(report))
 
 
 def settings_from_args(args: argparse.Namespace) -> SoakSettings:
+    """The run's settings; ValueError for a fault set the stack cannot play."""
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    check_kinds(kinds, args.prefill, args.decode)
+    floor = args.min_success_share
+    if floor is None:  # redundant workers: a worker's death must cost no answer
+        floor = REDUNDANT_FLOOR if min(args.prefill, args.decode) >= 2 else ALONE_FLOOR
     return SoakSettings(
         minutes=args.minutes,
         concurrency=args.concurrency,
@@ -297,7 +349,13 @@ def settings_from_args(args: argparse.Namespace) -> SoakSettings:
         gateway_max_inflight=2 * args.concurrency,
         burst_clients=3 * args.concurrency,
         settle_timeout_s=args.settle_timeout,
-        min_success_share=args.min_success_share,
+        min_success_share=floor,
+        prefill=args.prefill,
+        decode=args.decode,
+        faults=kinds,
+        schedule=KILLER,
+        rate_window_s=args.rate_window,
+        detect_target_s=args.detect_target,
     )
 
 

@@ -1,14 +1,16 @@
 """The soak's stack on this machine, its faults, and the idle measurement of its workers.
 
-``SoakStack`` owns an embedded nats-server, one prefill worker (core 0; its engine sleeps
-``layer_delay_ms`` after each layer of a kvpush prompt: a slow prefill keeps race windows open),
-one decode worker (core 1, a fixed side-channel port, so a restart comes back at the same
-address with a new epoch), both as child processes, an in-process gateway (``gateway_id``
-``soak-gw``, in-flight bound ``max_inflight``) and the soak's ``SoakObserver``.
+``SoakStack`` owns an embedded nats-server, ``prefill`` prefill workers (``soak-p0``,
+``soak-p1``, ...; each engine sleeps ``layer_delay_ms`` after each layer of a kvpush prompt: a
+slow prefill keeps race windows open) and ``decode`` decode workers (``soak-d0``, ...; each on
+a fixed side-channel port, so a restart comes back at the same address with a new epoch), as
+child processes pinned to the box's cores in turn (P then D: with one of each on two cores, P
+on core 0 and D on core 1), an in-process gateway (``gateway_id`` ``soak-gw``, in-flight bound
+``max_inflight``) and the soak's ``SoakObserver``.
 
-Faults (``inject``): ``kill_prefill`` / ``kill_decode`` (SIGKILL, start again, wait for the new
-epoch's first heartbeat), ``stop_decode`` (SIGSTOP past the gateway's lease, then SIGCONT),
-``restart_nats``; ``burst`` is the load's (see ``run``).
+Faults (``faults.Killer`` plays them): ``kill`` (SIGKILL, start again, wait for the new epoch's
+first heartbeat), ``pause`` (SIGSTOP for a while, then SIGCONT), ``restart_nats``; ``burst`` is
+the load's (see ``run``). ``gateway_epoch`` is the gateway's view of a worker (None: gone).
 
 ``settle`` measures every worker idle: it waits, per worker, for consecutive fresh heartbeats
 with ``in_flight`` 0 and the same free block count, until that count is every block (or the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -31,42 +34,71 @@ from kvpush.benchmarks.serve.systems import Process, free_port
 from kvpush.benchmarks.soak.accounting import IdleSample
 from kvpush.benchmarks.soak.observer import SoakObserver
 from kvpush.connector import Bus, BusConfig
+from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models
 from kvpush.services.gateway import Gateway, GatewayConfig
+from kvpush.services.membership import DEFAULT_LEASE_S
 from kvpush.services.natsd import EmbeddedNats
 
-P, D = "soak-p", "soak-d"
 GATEWAY_ID = "soak-gw"
 START_TIMEOUT_S = 240.0  # a worker's engine start on a busy 2-core box
-STOP_DECODE_S = 5.0  # past the gateway's 3 s lease
 REQUEST_TIMEOUT_S = 60.0
+RESTART_PAUSE_S = 1.0  # between a killed worker's exit and its start again
 
 
 class SoakStack:
     def __init__(
-        self, model: Path, logs: Path, *, layer_delay_ms: float, max_inflight: int
+        self,
+        model: Path,
+        logs: Path,
+        *,
+        prefill: int,
+        decode: int,
+        layer_delay_ms: float,
+        max_inflight: int,
     ) -> None:
         self.model, self.logs = model, logs
         self.layer_delay_ms = layer_delay_ms
         self.max_inflight = max_inflight
         self.nats = EmbeddedNats()
-        self.d_port = free_port()
+        self.roles: dict[WorkerRole, list[str]] = {
+            WorkerRole.PREFILL: [f"soak-p{i}" for i in range(prefill)],
+            WorkerRole.DECODE: [f"soak-d{i}" for i in range(decode)],
+        }
+        cores = sorted(os.sched_getaffinity(0))
+        self.cores = {w: cores[n % len(cores)] for n, w in enumerate(self.workers)}
+        self.ports = {w: free_port() for w in self.roles[WorkerRole.DECODE]}
+        # every incarnation of a worker starts with this environment: the in-process gateway's
+        # vLLM imports change os.environ (LD_PRELOAD, thread settings, ...), and a worker
+        # started again with those ran several times slower than its first incarnation
+        self.environ = dict(os.environ)
         self.procs: dict[str, Process] = {}
         self.gateway: Gateway | None = None
         self.observer: SoakObserver | None = None
         self._bus: Bus | None = None
 
+    @property
+    def workers(self) -> list[str]:
+        """Every worker id, prefill first."""
+        return [*self.roles[WorkerRole.PREFILL], *self.roles[WorkerRole.DECODE]]
+
+    def role_of(self, worker_id: str) -> WorkerRole:
+        return next(role for role, ids in self.roles.items() if worker_id in ids)
+
     # ---- lifecycle -------------------------------------------------------------------------
     def _worker(self, worker_id: str) -> Process:
-        role, core = ("prefill", 0) if worker_id == P else ("decode", 1)
-        argv = [sys.executable, "-m", "kvpush.services.cli", role, "--id", worker_id]
-        argv += ["--nats-url", self.nats.url, "--model", str(self.model), "--cpus", str(core)]
+        role = self.role_of(worker_id)
+        argv = [sys.executable, "-m", "kvpush.services.cli", role.value, "--id", worker_id]
+        argv += ["--nats-url", self.nats.url, "--model", str(self.model)]
+        argv += ["--cpus", str(self.cores[worker_id])]
         env = {}
-        if worker_id == P:
+        if role is WorkerRole.PREFILL:
             env["KVPUSH_FAULT_LAYER_DELAY_MS"] = str(self.layer_delay_ms)
         else:
-            argv += ["--side-channel-port", str(self.d_port)]
-        return Process(worker_id, argv, self.logs / f"{worker_id}.log", env).start()
+            argv += ["--side-channel-port", str(self.ports[worker_id])]
+        process = Process(worker_id, argv, self.logs / f"{worker_id}.log")
+        process.env = {**self.environ, **env}
+        return process.start()
 
     @property
     def watch(self) -> SoakObserver:
@@ -82,11 +114,11 @@ class SoakStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.nats.start)
         self._bus = await Bus.connect(BusConfig(url=self.nats.url, name="soak-observer"))
-        self.observer = SoakObserver(self._bus, GATEWAY_ID, D)
+        self.observer = SoakObserver(self._bus, GATEWAY_ID)
         await self.observer.start()
-        for worker_id in (P, D):
+        for worker_id in self.workers:
             self.procs[worker_id] = self._worker(worker_id)
-        for worker_id in (P, D):
+        for worker_id in self.workers:
             await self._first_beat(worker_id, None)
         config = GatewayConfig(
             model=str(self.model), nats_url=self.nats.url, port=0, gateway_id=GATEWAY_ID,
@@ -95,9 +127,9 @@ class SoakStack:
         )  # fmt: skip
         self.gateway = await Gateway.start(config)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while 0 in self.gateway.registry.counts().values():
+        while any(self.gateway_epoch(w) is None for w in self.workers):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway saw no worker of each role in {START_TIMEOUT_S} s")
+                raise RuntimeError(f"the gateway saw not every worker in {START_TIMEOUT_S} s")
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
@@ -127,27 +159,43 @@ class SoakStack:
                 return
 
     # ---- faults ----------------------------------------------------------------------------
-    async def inject(self, fault: str) -> None:
-        if fault in ("kill_prefill", "kill_decode"):
-            worker_id = P if fault == "kill_prefill" else D
-            old = self.watch.beats[worker_id].epoch
-            victim = self.procs[worker_id]
-            victim.signal(signal.SIGKILL)
-            await asyncio.to_thread(victim.wait)
-            await asyncio.sleep(1.0)
-            self.procs[worker_id] = self._worker(worker_id)
-            await self._first_beat(worker_id, old)
-        elif fault == "stop_decode":
-            decode = self.procs[D]
-            decode.signal(signal.SIGSTOP)
-            try:
-                await asyncio.sleep(STOP_DECODE_S)
-            finally:  # never leave D stopped, even when the soak is cancelled here
-                decode.signal(signal.SIGCONT)
-        elif fault == "restart_nats":
-            await asyncio.to_thread(self.nats.restart)
-        else:
-            raise ValueError(f"not a stack fault: {fault}")
+    def gateway_epoch(self, worker_id: str) -> int | None:
+        """The epoch the gateway's membership counts ``worker_id`` alive with; None: gone."""
+        assert self.gateway is not None, "start() first"
+        return self.gateway.registry.epoch(self.role_of(worker_id), worker_id)
+
+    def lease_s(self, worker_id: str) -> float:
+        """The lease ``worker_id``'s heartbeats state."""
+        beat = self.watch.beats.get(worker_id)
+        return beat.lease_ms / 1000 if beat is not None and beat.lease_ms else DEFAULT_LEASE_S
+
+    def migrations(self) -> dict[str, int]:
+        """The gateway's ``kvpush_gateway_migrations_total`` by ``lost`` label."""
+        assert self.gateway is not None, "start() first"
+        samples = self.gateway.metrics.migrations.collect()[0].samples
+        return {s.labels["lost"]: int(s.value) for s in samples if s.name.endswith("_total")}
+
+    async def kill(self, worker_id: str) -> None:
+        """SIGKILL, start again, until the new epoch's first heartbeat."""
+        old = self.watch.beats[worker_id].epoch
+        victim = self.procs[worker_id]
+        victim.signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait)
+        await asyncio.sleep(RESTART_PAUSE_S)
+        self.procs[worker_id] = self._worker(worker_id)
+        await self._first_beat(worker_id, old)
+
+    async def pause(self, worker_id: str, seconds: float) -> None:
+        """SIGSTOP for ``seconds``, then SIGCONT."""
+        victim = self.procs[worker_id]
+        victim.signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:  # never leave a worker stopped, even when the soak is cancelled here
+            victim.signal(signal.SIGCONT)
+
+    async def restart_nats(self) -> None:
+        await asyncio.to_thread(self.nats.restart)
 
     # ---- idle measurement ------------------------------------------------------------------
     async def settle(self, timeout_s: float) -> list[IdleSample]:
@@ -157,7 +205,7 @@ class SoakStack:
         deadline = time.monotonic() + timeout_s
         while gateway.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return list(await asyncio.gather(*(self._settle(w, deadline) for w in (P, D))))
+        return list(await asyncio.gather(*(self._settle(w, deadline) for w in self.workers)))
 
     async def _settle(self, worker_id: str, deadline: float) -> IdleSample:
         started = time.monotonic()

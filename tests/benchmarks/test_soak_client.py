@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -37,6 +38,8 @@ SCRIPTS = {
     "openai": (503, "application/json", json.dumps({"error": ERROR}).encode()),
     "bare": (500, "text/plain", b"Internal Server Error"),
     "nonopenai": (502, "application/json", json.dumps({"detail": "x"}).encode()),
+    "unnamed": (200, "text/event-stream", sse({"id": "cmpl-7", "choices": [{"text": "a"}]},
+                                              b"[DONE]")),
     "json": (200, "application/json", json.dumps({"id": "cmpl-9",
                                                   "choices": [{"text": "a b"}]}).encode()),
 }  # fmt: skip
@@ -47,7 +50,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     status, kind, payload = SCRIPTS[body["prompt"]]
     if kind != "text/event-stream":
         return web.Response(status=status, body=payload, content_type=kind.split(";")[0])
-    response = web.StreamResponse(headers={"Content-Type": kind, "X-Request-Id": "cmpl-1"})
+    named = {} if body["prompt"] == "unnamed" else {"X-Request-Id": "cmpl-1"}
+    response = web.StreamResponse(headers={"Content-Type": kind, **named})
     await response.prepare(request)
     await response.write(payload)
     return response
@@ -97,36 +101,79 @@ async def test_a_json_answer_takes_its_id_from_the_body(url: str) -> None:
     assert (answer.text, answer.request_id) == ("a b", "cmpl-9")
 
 
+async def test_a_stream_without_a_request_id_header_is_named_by_its_events(url: str) -> None:
+    for delivery in (Delivery.STREAM, Delivery.ABORT):
+        answer = await ask(url, "unnamed", delivery)
+        assert answer.request_id == "cmpl-7" and answer.text == "a"
+
+
 async def test_a_refused_connection_is_a_problem() -> None:
     answer = await ask("http://127.0.0.1:9", "ok", Delivery.JSON)
     assert answer.status == 0 and answer.problem.startswith("client:")
 
 
-def chunk(seq: int, ids: list[int], final: bool = False, landed: int = 0) -> TokenChunk:
+def chunk(
+    seq: int, ids: list[int], final: bool = False, landed: int = 0, transfer: str = "t1"
+) -> TokenChunk:
     return TokenChunk(
-        request_id="r1", transfer_id="t1", seq=seq, token_ids=ids,
+        request_id="r1", transfer_id=transfer, seq=seq, token_ids=ids,
         finish_reason=FinishReason.LENGTH if final else None,
         timing=Timing(kv_landed=landed) if final else None,
     )  # fmt: skip
 
 
-async def test_the_observer_assembles_chunks_in_seq_order_and_knows_the_route() -> None:
-    watch = SoakObserver(None, "soak-gw", "soak-d")  # type: ignore[arg-type]
-    event = RequestEvent(
-        transfer_id="t1", request_id="r1", prefill_id="soak-p", decode_id="soak-d",
-        model="m", prompt_token_ids=[1], reply_subject="kvpush.v1.tokens.soak-gw",
+def request(transfer: str, prompt: list[int], decode: str = "soak-d0") -> RequestEvent:
+    return RequestEvent(
+        transfer_id=transfer, request_id="r1", prefill_id="soak-p0", decode_id=decode,
+        model="m", prompt_token_ids=prompt, reply_subject="kvpush.v1.tokens.soak-gw",
         deadline_ms=0,
     )  # fmt: skip
-    await watch._on_request("s", event)
+
+
+async def test_the_observer_assembles_chunks_in_seq_order_and_knows_the_route() -> None:
+    watch = SoakObserver(None, "soak-gw")  # type: ignore[arg-type]
+    await watch._on_request("s", request("t1", [1]))
     await watch._on_chunk("s", chunk(1, [7]))
     await watch._on_chunk("s", chunk(2, [8], final=True, landed=5))
     partial = await watch.observed("r1", 0.0)
     assert partial is not None and partial.token_ids == () and not partial.complete
+    await watch._on_request("s", request("t1", [1]))
     for c in (chunk(0, [6]), chunk(1, [7]), chunk(2, [8], final=True, landed=5)):
         await watch._on_chunk("s", c)
     whole = await watch.observed("r1", 1.0)
     assert whole is not None and whole.complete and whole.token_ids == (6, 7, 8)
-    assert whole.mode is None and whole.kv_landed  # the request event was forgotten with r1
+    assert whole.mode == "push" and whole.kv_landed and whole.prompt_ids == (1,)
+    assert whole.moves == 0
+    assert await watch.observed("r1", 0.0) is None  # forgotten
+
+
+async def test_chunks_without_their_request_event_are_never_complete() -> None:
+    watch = SoakObserver(None, "soak-gw")  # type: ignore[arg-type]
+    for c in (chunk(0, [6]), chunk(1, [7], final=True)):
+        await watch._on_chunk("s", c)
+    seen = await watch.observed("r1", 0.0)
+    assert seen is not None and seen.token_ids == (6, 7) and not seen.complete
+    assert seen.mode is None
+
+
+async def test_a_moved_request_is_observed_by_its_last_transfer() -> None:
+    watch = SoakObserver(None, "soak-gw")  # type: ignore[arg-type]
+    await watch._on_request("s", request("t1", [1, 2]))
+    await watch._on_chunk("s", chunk(0, [6], transfer="t1"))  # then soak-d0 died
+    await watch._on_request("s", request("t2", [1, 2, 6], decode="soak-d1"))
+    await watch._on_chunk("s", chunk(0, [7], transfer="t2"))
+    await watch._on_chunk("s", chunk(1, [8], final=True, landed=3, transfer="t2"))
+    seen = await watch.observed("r1", 1.0)
+    assert seen is not None and seen.complete and seen.moves == 1
+    assert seen.prompt_ids == (1, 2, 6) and seen.token_ids == (7, 8)
+    assert seen.answer_ids((1, 2)) == (6, 7, 8)
+    assert set(watch.served) == {"soak-d1", "soak-p0"}  # the answer's KV came from soak-p0
+
+
+async def test_another_gateways_requests_are_not_observed() -> None:
+    watch = SoakObserver(None, "soak-gw")  # type: ignore[arg-type]
+    other = msgspec.structs.replace(request("t1", [1]), reply_subject="kvpush.v1.tokens.gw2")
+    await watch._on_request("s", other)
     assert await watch.observed("r1", 0.0) is None
 
 

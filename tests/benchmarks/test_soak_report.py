@@ -17,6 +17,7 @@ from kvpush.benchmarks.soak.accounting import (
     make_interval,
     summarize_leaks,
 )
+from kvpush.benchmarks.soak.measure import FaultRecord, summarize
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -100,6 +101,72 @@ def test_the_report_survives_json_and_renders_the_same(tmp_path: Path) -> None:
     assert table == report.markdown(original)
     assert "**FAIL**: x" in table and "| push/received | 50 | 10 | 5 | 0 |" in table
     assert "| kill_prefill | 1 | 20 (10) | 4 | d x1 | **0** / 0 | p x1 | 0 / 0 |" in table
+
+
+KILLER = ("kill_prefill", "kill_decode", "stop_prefill", "stop_decode", "restart_nats")
+
+
+def fault(kind: str, victim: str = "", detect_s: float | None = None) -> FaultRecord:
+    return FaultRecord(
+        kind=kind, victim=victim, at_s=30, in_flight=4, window_s=40, baseline_rate=4.0,
+        fault_rate=3.6, detect_s=detect_s, rejoin_s=9.0 if victim else None,
+        back_s=9.5 if victim else None, recovery_s=11.0, migrations={"decode": 3},
+    )  # fmt: skip
+
+
+def killer(faults: dict[str, int], records: list[FaultRecord] | None = None) -> report.SoakReport:
+    """A 2P2D run of the killer's schedule."""
+    records = records if records is not None else [fault("kill_decode", "soak-d1", 1.4)]
+    s = settings(prefill=2, decode=2, faults=KILLER, schedule=report.KILLER,
+                 min_success_share=0.999, fault_every_s=60)  # fmt: skip
+    return synthetic(
+        settings=s, faults=faults, success_share=1.0, fault_records=records,
+        fault_summary=summarize(records), moved=3,
+    )  # fmt: skip
+
+
+ROUND = {"kill_prefill": 1, "kill_decode": 1, "stop_prefill": 1, "stop_decode": 1}
+
+
+def test_the_killer_restarts_nats_exactly_once() -> None:
+    assert report.failures(killer({**ROUND, "restart_nats": 1})) == []
+    for times in (0, 2):
+        found = report.failures(killer({**ROUND, "restart_nats": times}))
+        assert found == [f"nats-server restarted {times} times, not once"]
+
+
+def test_the_killer_wants_every_other_kind_once_a_whole_round_ran() -> None:
+    found = report.failures(killer({"kill_decode": 4, "restart_nats": 1}))
+    assert sorted(found) == [
+        "fault kill_prefill never ran", "fault stop_decode never ran",
+        "fault stop_prefill never ran",
+    ]  # fmt: skip
+    assert report.failures(killer({"kill_decode": 3, "restart_nats": 1})) == []
+
+
+def test_a_kill_noticed_past_the_target_fails_the_verdict() -> None:
+    late = [fault("kill_decode", "soak-d1", 2.3), fault("stop_prefill", "soak-p0", None)]
+    found = report.failures(killer({**ROUND, "restart_nats": 1}, late))
+    assert len(found) == 2 and "2.30 s (target 2 s)" in found[0] and "never" in found[1]
+
+
+def test_the_fault_table_renders_per_kind() -> None:
+    records = [fault("kill_decode", "soak-d1", 1.4), fault("restart_nats")]
+    table = report.markdown(killer({**ROUND, "restart_nats": 1}, records))
+    assert "on 2 prefill + 2 decode workers" in table and "nats-server restarted once" in table
+    assert "| 90 (3) |" in table  # token-exact 200s, of them moved
+    assert (
+        "| kill_decode | 1 | 1.40 s / 1.40 s | 9.00 s | 9.50 s / 9.50 s | 11.00 s / 11.00 s "
+        "| 90.0% | decode 3 |" in table
+    )
+    assert "| restart_nats | 1 | n/a | n/a | n/a | 11.00 s / 11.00 s | 90.0% | decode 3 |" in table
+    again = msgspec.json.decode(report.dump(killer({}, records)), type=report.SoakReport)
+    assert report.markdown(again) == report.markdown(killer({}, records))
+
+
+def test_a_report_before_the_killer_renders_without_the_fault_table() -> None:
+    table = report.markdown(synthetic())
+    assert "on 1 prefill + 1 decode workers" in table and "Each fault measured" not in table
 
 
 def test_the_committed_soak_table_is_the_one_its_json_generates() -> None:
