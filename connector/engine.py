@@ -3,7 +3,8 @@
 Owns the table ``transfer_id -> Transfer``, the attached peers (NIXL agent name, pool layout,
 prepped remote list), posting (when and what; posting.py builds the requests), progress
 (request status, deadlines, cancel after a grace period, end-of-transfer notices) and the
-notices that end target transfers. Rules kept here
+notices that end target transfers (one that echoes another allocation epoch is dropped: a stale
+sender's). Rules kept here
 (docs/design.md, correctness rules): a request is released only once DONE or failed (or
 force-cancelled after ``cancel_grace_s`` past the end); the completion notice goes out only
 after every request of the transfer is DONE; a failure becomes a terminal state at once; an
@@ -69,6 +70,7 @@ class TransferEngine:
         self.transfers: dict[str, Transfer] = {}
         self._early: BoundedDict[str, list[Notice]] = BoundedDict(max_early_notices)
         self.ended: BoundedDict[str, TransferState] = BoundedDict(max_transfers)  # reaped
+        self._stale: list[TransferEvent] = []  # a target dropped a notice: reported next poll
 
     # ---- creating ---------------------------------------------------------------------------
     def _new(
@@ -110,10 +112,12 @@ class TransferEngine:
         timeout_s: float,
         peer: str | None,
         sender_at: dict[str, int] | None = None,
+        alloc: int = 0,
     ) -> Transfer:
-        t = self._new(transfer_id, Role.TARGET, peer, timeout_s, sender_at=dict(sender_at or {}))
+        senders = dict(sender_at or {})
+        t = self._new(transfer_id, Role.TARGET, peer, timeout_s, sender_at=senders, alloc=alloc)
         for notice in self._early.pop(transfer_id, None) or []:
-            t.on_notice(notice.kind, self.clock(), notice.sender, notice.senders)
+            self._take_notice(t, notice, self.clock())
         return t
 
     # ---- peers ------------------------------------------------------------------------------
@@ -234,11 +238,12 @@ class TransferEngine:
         for layer in posted.layers:
             t.timings[layer][1] = (now - t.created) * 1e3
 
-    def finish(self, transfer_id: str) -> None:
+    def finish(self, transfer_id: str, checksum: int | None = None) -> None:
         if transfer_id in self.ended:
             return
         t = self.get(transfer_id)
         t.finish_requested = True
+        t.checksum = checksum
         self._maybe_complete(t, self.clock())
 
     def _maybe_complete(self, t: Transfer, now: float) -> None:
@@ -259,9 +264,9 @@ class TransferEngine:
             return False
         t.end_notice_sent = True
         leg = t.leg
-        notice = Notice(
-            NOTICE_VERSION, kind, leg.remote_id or t.transfer_id, leg.sender, leg.senders
-        )
+        checksum = t.checksum if kind is NoticeKind.DONE else None
+        tid = leg.remote_id or t.transfer_id
+        notice = Notice(NOTICE_VERSION, kind, tid, leg.sender, leg.senders, leg.alloc, checksum)
         try:
             self.agent.notify(peer.agent_name, notice_encoder.encode(notice))
         except AgentError as exc:
@@ -316,7 +321,7 @@ class TransferEngine:
         now = self.clock()
         for sender, payload in self.agent.notifications():
             self._on_notice(sender, payload, now)
-        events = []
+        events, self._stale = self._stale, []
         for t in list(self.transfers.values()):
             self._advance(t, now)
             event = t.event(now)
@@ -374,7 +379,16 @@ class TransferEngine:
                 sender,
             )
             return
-        t.on_notice(notice.kind, now, notice.sender, notice.senders)
+        self._take_notice(t, notice, now)
+
+    def _take_notice(self, t: Transfer, notice: Notice, now: float) -> None:
+        """A target's notice, unless it echoes another allocation of the target's blocks: then
+        it is dropped, and reported with the next events (``stale``) for the owner to count."""
+        if not t.stale(notice):
+            t.on_notice(notice.kind, now, notice.sender, notice.senders, notice.checksum)
+        elif len(self._stale) < self.max_transfers:
+            detail = f"{notice.kind.value} notice of allocation {notice.alloc}, not {t.alloc}"
+            self._stale.append(TransferEvent(t.transfer_id, t.role, t.state, False, stale=detail))
 
     def get(self, transfer_id: str) -> Transfer:
         t = self.transfers.get(transfer_id)

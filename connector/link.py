@@ -6,7 +6,9 @@ reaches the scheduler half through the engine, never through a module global: it
 (uniproc: in this process; multiprocess, e.g. TP > 1: one process per rank), since everything
 the scheduler half knows came through vLLM or its wake-up line (``connector/vllm/scheduler.py``).
 The link gives the wake-up signal (``activity``), the pending count, the last step's idleness,
-every rank's identity (``ranks``, ``info`` for rank 0), and the suspect-peer input. The timing
+every rank's identity (``ranks``, ``info`` for rank 0), the suspect-peer input, and the KV
+integrity counts (``integrity_counts``: receives verified, mismatched and recomputed, unchecked,
+stale words dropped). The timing
 marks of a transfer come on the request's final output (``kvpush.connector.timing_of``), and
 those that came up in its last step from ``take_timing``. A driver that attaches a link also
 takes on reporting the first tokens P sampled (``take_prefill_tokens``, after every step):
@@ -73,6 +75,11 @@ class EngineLink:
 
     def last_step_idle(self) -> bool:
         return bool(self._half is not None and self._half.last_step_idle)
+
+    def integrity_counts(self) -> dict[str, int]:
+        """Decode: KV integrity outcomes so far, every rank's (``verified``, ``mismatch``: D
+        recomputed the prompt, ``unchecked``, ``stale``); empty on prefill or without one."""
+        return self._half.integrity_counts() if self._half is not None else {}
 
     def take_timing(self, transfer_id: str) -> Timing | None:
         """Marks of ``transfer_id`` the final output could not carry yet (and forget them)."""

@@ -4,7 +4,7 @@
   worker service): mode, transfer id, the two worker ids, deadline, trace context.
 - ``timing_of``: the ``Timing`` a decode request's final ``kv_transfer_params`` carries.
 - ``ConnectorSettings``: the engine's ``kv_connector_extra_config`` (worker id, role, NATS URL,
-  side-channel host, timeouts).
+  side-channel host, timeouts, the KV checksum).
 - ``PrefillWork`` / ``DecodeWork``: one request's share of a step, as the scheduler half hands
   it to the worker half inside ``metadata.KVPushMetadata`` (pickled when the worker runs in
   another process, so these are msgspec structs).
@@ -28,6 +28,7 @@ from kvpush.schemas.messages import Timing, TransferMode, WorkerRole
 
 PARAMS_KEY = "kvpush"
 TIMING_KEY = "kvpush_timing"  # on a decode request's final output: what the connector learned
+INTEGRITY_KEY = "kvpush_integrity"  # ... and its receive's KV integrity outcome, with the counts
 
 
 class TransferParams(msgspec.Struct, frozen=True):
@@ -98,6 +99,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_pending_announcements: int = 4096
     first_token_wait_s: float = 2.0  # decode: after the KV landed, how long to wait for P's
     # FirstToken before sampling the first token itself (an older or failing prefill worker)
+    kv_checksum: bool = True  # P computes the moved KV's checksum, D verifies it before the
+    # request runs (a mismatch: D computes the prompt itself); off: neither (integrity.py)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -185,3 +188,4 @@ class DecodeWork(msgspec.Struct, frozen=True):
     first_token: int = 0
     num_tokens: int = 0
     allocated_ns: int = 0  # unix ns the scheduler allocated the blocks
+    alloc_epoch: int = 0  # this allocation's id (every rank the same): announced, echoed by P

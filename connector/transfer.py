@@ -91,16 +91,33 @@ class NoticeKind(str, enum.Enum):
 
 class Notice(msgspec.Struct, frozen=True, array_like=True):
     """The NIXL notification payload, JSON: ``[1, "done", "<transfer_id>", 0, 1]``: the
-    target's transfer id, the sender's TP rank and how many ranks send to this target."""
+    target's transfer id, the sender's TP rank and how many ranks send to this target; then,
+    when set, the target's allocation epoch (BlocksAnnounced's ``alloc_epoch``, echoed: a
+    target takes notices of its own allocation only) and the KV checksum of what the sender
+    wrote (``done`` only; connector/integrity.py). A decoder of fewer fields ignores the rest."""
 
     version: int
     kind: NoticeKind
     transfer_id: str
     sender: int = 0
     senders: int = 1
+    alloc: int = 0
+    checksum: int | None = None
 
 
-notice_encoder = msgspec.json.Encoder()
+class _NoticeEncoder:
+    """A ``Notice`` as JSON without its unset trailing fields (``[1, "done", "tx", 0, 1]``)."""
+
+    _json = msgspec.json.Encoder()
+
+    def encode(self, notice: Notice) -> bytes:
+        values = msgspec.structs.astuple(notice)
+        if notice.checksum is None:
+            values = values[:-1] if notice.alloc else values[:-2]
+        return self._json.encode(values)
+
+
+notice_encoder = _NoticeEncoder()
 notice_decoder = msgspec.json.Decoder(Notice)
 
 
@@ -120,6 +137,8 @@ class TransferEvent(msgspec.Struct, frozen=True):
     layers: list[LayerTiming] = []
     started_ns: int = 0  # unix ns: the transfer was created / reached its terminal state
     ended_ns: int = 0
+    checksums: dict[int, int | None] = {}  # target DONE: each sender rank's (None: it sent none)
+    stale: str = ""  # not an end: a notice of another allocation was dropped (what it was)
 
 
 class InvalidTransition(RuntimeError):
@@ -162,6 +181,7 @@ class Transfer:
     finish_requested: bool = False
     imminent: bool = False  # target: the initiator said its WRITEs started
     end_notice_sent: bool = False
+    checksum: int | None = None  # initiator: what the DONE notice carries (``finish``)
     nbytes: int = 0
     descriptors: int = 0
     nixl_descriptors: int | None = None
@@ -171,6 +191,8 @@ class Transfer:
     heard: dict[int, NoticeKind] = field(default_factory=dict)  # sender rank -> its word
     senders: int = 1  # how many ranks write into this target (the notices say)
     sender_at: dict[str, int] = field(default_factory=dict)  # writers' addresses -> rank
+    alloc: int = 0  # the allocation epoch its notices must echo (0: any)
+    sums: dict[int, int | None] = field(default_factory=dict)  # sender rank -> its checksum
     # reporting
     reported: tuple[TransferState, bool] | None = None
 
@@ -236,15 +258,30 @@ class Transfer:
             ],
             started_ns=monotonic_to_ns(self.created, now),
             ended_ns=monotonic_to_ns(self.ended_at or now, now),
+            checksums=dict(self.sums) if self.state is TransferState.DONE else {},
         )
 
     # ---- notices from the initiator (target side) ---------------------------------------------
-    def on_notice(self, kind: NoticeKind, now: float, sender: int = 0, senders: int = 1) -> None:
+    def stale(self, notice: Notice) -> bool:
+        """Is ``notice`` from a sender of another allocation of these blocks (an older
+        announcement of the transfer: its WRITEs are not the ones this target waits for)?"""
+        return bool(self.alloc and notice.alloc and notice.alloc != self.alloc)
+
+    def on_notice(
+        self,
+        kind: NoticeKind,
+        now: float,
+        sender: int = 0,
+        senders: int = 1,
+        checksum: int | None = None,
+    ) -> None:
         """Sender rank ``sender`` (of ``senders`` writing here) is finished with this transfer.
         A sender's failure or abort ends the transfer at once (unquiesced while a sibling may
         still write); DONE needs every sender's done."""
         self.senders = max(1, senders)
         self.heard.setdefault(sender, kind)
+        if kind is NoticeKind.DONE:
+            self.sums.setdefault(sender, checksum)
         if self.state is TransferState.WAITING_PEER:
             if kind is NoticeKind.ABORTED:
                 self.to(TransferState.ABORTED, now, FailReason.ABORTED, "aborted by the peer")
@@ -258,14 +295,15 @@ class Transfer:
 
 
 class LegSpec(msgspec.Struct, frozen=True):
-    """How one initiator transfer meets its target when TP differs (defaults: equal TP): the
-    target's transfer id, the (our, their) slices of each block, our rank among the
-    ``senders`` ranks that write into that target."""
+    """How one initiator transfer meets its target (defaults: equal TP, no allocation epoch):
+    the target's transfer id, the (our, their) slices of each block, our rank among the
+    ``senders`` ranks that write into that target, the allocation epoch to echo."""
 
     remote_id: str = ""
     parts: tuple[Slice, Slice] = (WHOLE, WHOLE)
     sender: int = 0
     senders: int = 1
+    alloc: int = 0  # the target's allocation epoch (its announcement's), echoed in notices
 
 
 @dataclass(eq=False)

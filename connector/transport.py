@@ -268,13 +268,15 @@ class KvTransport:
         timeout_s: float,
         peer: str | None = None,
         sender_at: dict[str, int] | None = None,
+        alloc: int = 0,
     ) -> None:
         """Track a transfer the peer initiates; its notice (or the deadline) ends it.
         ``sender_at``: the side channels of several writing ranks (a peer of larger TP) by
-        rank, so that ``peer_lost`` of one of them counts as that rank's last word only."""
+        rank, so that ``peer_lost`` of one of them counts as that rank's last word only.
+        ``alloc``: the allocation epoch a notice must echo (another one's is dropped)."""
         with self._lock:
             self._check_open()
-            self._engine.expect(transfer_id, timeout_s, peer, sender_at)
+            self._engine.expect(transfer_id, timeout_s, peer, sender_at, alloc)
         self._changed()
 
     def push_layers(self, transfer_id: str, layers: Sequence[int]) -> bool:
@@ -285,10 +287,11 @@ class KvTransport:
         self._changed()
         return posted
 
-    def finish(self, transfer_id: str) -> None:
-        """No more layers: the completion notice goes out once every request is DONE."""
+    def finish(self, transfer_id: str, checksum: int | None = None) -> None:
+        """No more layers: the completion notice (with ``checksum``, the KV's) goes out once
+        every request is DONE."""
         with self._lock:
-            self._engine.finish(transfer_id)
+            self._engine.finish(transfer_id, checksum)
         self._changed()
 
     def abort(self, transfer_id: str, detail: str = "") -> None:

@@ -39,7 +39,11 @@ PROTOCOL_HISTORY: Final = {
     " the OpenAI layer (n, penalties, min_p, logit_bias, logprobs, prompt_logprobs, bad_words,"
     " structured_outputs, ...: absent means vLLM's default) and optional ``outputs``"
     " (SequenceOutput per answer: logprobs, n > 1), ``prompt_logprobs`` and"
-    " ``num_cached_tokens`` and ``stop_reason`` on TokenChunk",
+    " ``num_cached_tokens`` and ``stop_reason`` on TokenChunk; optional ``alloc_epoch`` (D's"
+    " allocation id of the announced blocks, absent: 0, unknown) on BlocksAnnounced, echoed"
+    " by P on KvPushed, KvFailed and AbortAck (D drops a word of another allocation), and"
+    " optional ``checksums`` on KvReady (P's KV checksum of the announced blocks, one per equal"
+    " byte part of a block; absent: not computed, D's READ is then unchecked)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -86,6 +90,25 @@ TpRank = Annotated[
     ),
 ]
 TpSize = Annotated[int, Meta(ge=1, le=MAX_TP, description="the sender's tensor-parallel size")]
+AllocEpoch = Annotated[
+    int,
+    Meta(
+        ge=0,
+        le=2**53,
+        description="decode's allocation id of the announced blocks (0: unknown, an older"
+        " peer); prefill echoes it, and decode takes a word only for the allocation it waits on",
+    ),
+]
+Checksum = Annotated[
+    int,
+    Meta(
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="KV checksum: over layer, region, block (in token order) the sum of each"
+        " block's bytes read as signed integers of the KV element width, weighted by its"
+        " position + 1, in wrap-around int64 (connector/integrity.py)",
+    ),
+]
 
 
 class TransferMode(str, enum.Enum):
@@ -163,6 +186,7 @@ class BlocksAnnounced(_Message):
     side_channel: Address
     rank: TpRank = 0  # D's rank that owns these blocks
     tp: TpSize = 1
+    alloc_epoch: AllocEpoch = 0  # the same on every rank of one allocation
 
 
 class Timing(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -205,6 +229,9 @@ class KvReady(_Message):
     timing: Timing | None = None  # P's prefill_received/start/end
     rank: TpRank = 0  # P's rank that computed these blocks
     tp: TpSize = 1
+    # the KV checksum of every announced block, one per equal byte part of a block (a reader
+    # of another TP sums the parts its slice covers); None: P computed none
+    checksums: Annotated[list[Checksum], Meta(max_length=MAX_TP)] | None = None
 
 
 class LayerTiming(msgspec.Struct, frozen=True, array_like=True):
@@ -229,6 +256,7 @@ class KvPushed(_Message):
     timing: Timing | None = None  # P's prefill_received/start/end and kv_sent
     rank: TpRank = 0  # the rank pair this push was
     tp: TpSize = 1
+    alloc_epoch: AllocEpoch = 0  # the announcement's, echoed
 
 
 class KvPushing(_Message):
@@ -269,6 +297,7 @@ class KvFailed(_Message):
     detail: ShortText = ""
     rank: TpRank = 0
     tp: TpSize = 1
+    alloc_epoch: AllocEpoch = 0  # the announcement's, echoed (0: none came)
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -318,6 +347,7 @@ class AbortAck(_Message):
     prefill_id: WorkerId
     rank: TpRank = 0
     tp: TpSize = 1
+    alloc_epoch: AllocEpoch = 0  # the announcement's, echoed (0: none came)
 
 
 class WorkerHeartbeat(_Message):

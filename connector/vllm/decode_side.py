@@ -9,6 +9,8 @@ A receive is reported to vLLM (``finished_recving``; plus ``failed_recving`` for
 only on a quiesced terminal event: DONE, P's notice or AbortAck / KvFailed (no WRITE in flight or to
 come), or P declared dead (its side channel stopped answering after an abort went unanswered).
 A late WRITE into reused blocks therefore cannot happen (docs/design.md, correctness rule 3).
+A DONE receive is reported finished only once its landed KV matches P's checksum (else failed:
+D computes the prompt; ``verify.py``); words of another allocation epoch are dropped.
 A request that
 asked for P's first token (``first_token_from_prefill``) is reported once its KV landed and
 P's ``FirstToken`` came (``first_token_wait_s`` at most), the token going up with it
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvpush.connector.integrity import IntegrityCounts, KvSums
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.params import ConnectorSettings, DecodeWork, PrefillToken, ReceiveKind
 from kvpush.connector.peering import TpMismatch, peer_ranks
@@ -37,6 +40,7 @@ from kvpush.connector.vllm.incoming import Incoming, IncomingState
 from kvpush.connector.vllm.probes import ProbingMixin
 from kvpush.connector.vllm.runtime import BusThread, WorkerRuntime
 from kvpush.connector.vllm.side import Legs, Rank, SideBase
+from kvpush.connector.vllm.verify import VerifyMixin, integrity_attrs
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
@@ -52,7 +56,9 @@ from kvpush.schemas.messages import (
 log = logging.getLogger(__name__)
 
 
-class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck | FirstToken"]):
+class DecodeSide(
+    ProbingMixin, VerifyMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck | FirstToken"]
+):
     def __init__(
         self,
         settings: ConnectorSettings,
@@ -61,9 +67,12 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         runtime: WorkerRuntime,
         rank: Rank,
         block_size: int,
+        kv_sums: KvSums | None = None,
     ) -> None:
         super().__init__(settings, transport, bus, runtime, rank)
         self.block_size = block_size
+        self.kv_sums = kv_sums  # None: the KV checksum is off
+        self.integrity = IntegrityCounts()
         self._probing: set[str] = set()  # suspected peers being probed
         self._first_tokens: dict[str, PrefillToken] = {}  # by request: reported this step
         for subject in (subjects.kv_ready, subjects.kv_failed, subjects.abort, subjects.kv_done):
@@ -97,9 +106,12 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         pull = inc.work.kind is ReceiveKind.PULL
         if isinstance(message, KvReady):
             self.runtime.marks.record_timing(tid, message.timing)
+            inc.ready_sums.setdefault(message.rank, message.checksums)
             receiving = inc.state in (IncomingState.WAITING, IncomingState.RECEIVING)
             if pull and receiving and message.rank not in inc.legs.by_rank:
                 self._start_pull(inc, message)
+            return
+        if self._other_allocation(inc, message):
             return
         if isinstance(message, KvFailed):
             log.warning(
@@ -194,7 +206,8 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         started_ns = now_ns()
         if item.kind is ReceiveKind.PUSH:
             several = writers if len(writers) > 1 else None  # P of larger TP: count each rank
-            self.transport.expect(tid, timeout, peer=peer, sender_at=several)
+            alloc = {"alloc": item.alloc_epoch} if item.alloc_epoch else {}  # 0: take any
+            self.transport.expect(tid, timeout, peer=peer, sender_at=several, **alloc)
             inc.advance(IncomingState.RECEIVING)
             self.bus.publish(
                 subjects.blocks(item.params.prefill_id),
@@ -209,6 +222,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
                     side_channel=self.transport.address,
                     rank=self.rank.index,
                     tp=self.rank.size,
+                    alloc_epoch=item.alloc_epoch,
                 ),
                 trace_parent(item.params.traceparent),
             )
@@ -282,7 +296,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         if not tracing_on():
             return
         attrs = {"kvpush.transfer_id": params.transfer_id, "kvpush.mode": params.mode.value}
-        error = f"{state.value}: fell back to local prefill" if inc.failed else None
+        attrs, error, marks = integrity_attrs(inc, state, attrs)  # and the fallback's error
         if pull and event is not None and event.started_ns:
             emit_span(
                 "kv.pull",
@@ -293,7 +307,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
                 error=error,
             )
         since_ns = inc.waiting_since_ns
-        emit_span("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, error=error)
+        emit_span("decode.wait_kv", params.traceparent, since_ns, landed_ns, attrs, marks, error)
 
     def _maybe_settle_pull(self, inc: Incoming) -> None:
         """Pull: settle once every READ is quiet, and either all of them ran or we aborted."""
@@ -301,7 +315,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         if inc.settled or not legs.quiet or not legs.by_rank:
             return
         if legs.complete:
-            self._settle(inc, legs.outcome(), legs.summary())
+            self._landed(inc, legs.outcome(), legs.summary())
         elif inc.state is IncomingState.ABORTING:  # the legs still to come never will
             self._settle(inc, TransferState.ABORTED, legs.summary())
 
@@ -313,6 +327,9 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
         with self.lock:
             self._probe_suspects()
             for event in events:
+                if event.stale:  # a notice of another allocation of our blocks: dropped
+                    self._stale(event.transfer_id, event.stale)
+                    continue
                 inc, p_rank = self._event_of(event)
                 if inc is None:
                     continue
@@ -324,7 +341,7 @@ class DecodeSide(ProbingMixin, SideBase[Incoming, "KvReady | KvFailed | AbortAck
                         self._abort(inc, f"a read of prefill rank {p_rank} ended {event.state}")
                     self._maybe_settle_pull(inc)
                 elif event.quiesced:
-                    self._settle(inc, event.state, event)
+                    self._landed(inc, event.state, event)
                 elif event.state in (TransferState.EXPIRED, TransferState.FAILED):
                     self._abort(inc, f"decode gave up: {event.state.value}")
             now = time.monotonic()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpush.connector.integrity import Outcome
 from kvpush.connector.params import DecodeWork
 from kvpush.connector.transfer import TransferState
 from kvpush.connector.vllm.side import Legs, check_transition
@@ -58,6 +59,10 @@ class Incoming:
     waiting_since_ns: int = 0  # unix ns: blocks announced (push) / receive set up (pull)
     prefill_token: FirstToken | None = None  # P's sampled token, when the request asked for it
     token_due: float | None = None  # settled DONE without it: reported without it from then
+    ready_sums: dict[int, list[int] | None] = field(default_factory=dict)  # pull: KvReady's
+    integrity: Outcome | None = None  # what verifying the landed KV concluded (verify.py)
+    integrity_detail: str = ""
+    stale: int = 0  # words of another allocation of our blocks, dropped
 
     def advance(self, new: IncomingState, outcome: TransferState | None = None) -> None:
         """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""

@@ -14,8 +14,10 @@ and D was told; the blocks go once the request ended. ``stopping`` (an abort or 
 the push started) keeps the state and starts no further leg: the outcome follows once every
 started leg is quiesced.
 
-``outcome_message`` is what P tells D when a transfer settles; ``emit_settled_spans`` makes P's
-spans of a settled transfer after the fact.
+``outcome_message`` is what P tells D when a transfer settles (echoing D's allocation epoch);
+``emit_settled_spans`` makes P's spans of a settled transfer after the fact. ``sums`` holds the
+KV checksum's block sums once the last layer is computed (``integrity.SourceSums``):
+``leg_checksum`` is what a push's done notice carries, ``ready_checksums`` what KvReady does.
 
 Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock.
 """
@@ -25,10 +27,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpush.connector.integrity import SourceSums, checksum, part_checksums
 from kvpush.connector.params import TransferParams
 from kvpush.connector.tracing import emit_span, now_ns, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
-from kvpush.connector.vllm.side import Legs, check_transition
+from kvpush.connector.vllm.side import Leg, Legs, check_transition
 from kvpush.schemas import subjects
 from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
@@ -75,6 +78,7 @@ class Outgoing:
     req_finished: bool = False
     compute_start_ns: int = 0  # unix ns: first engine step of the request
     compute_end_ns: int = 0  # every layer of its last prompt token computed
+    sums: SourceSums | None = None  # the KV checksum's block sums (None: checksum off)
 
     def advance(self, new: OutgoingState, outcome: TransferState | None = None) -> None:
         """The one state transition (``InvalidTransition`` if the diagram has no such edge)."""
@@ -86,6 +90,25 @@ class Outgoing:
     @property
     def settled(self) -> bool:
         return self.state is OutgoingState.SETTLED
+
+    @property
+    def alloc_epoch(self) -> int:
+        """D's allocation epoch of the blocks announced (every rank's the same; 0: none)."""
+        return next((a.alloc_epoch for a in self.announcements.values()), 0)
+
+    def leg_checksum(self, leg: Leg, block_size: int) -> int | None:
+        """The checksum of what ``leg`` writes: our blocks from D's hit on, our slice of each
+        (None: no sums, or the slice is not on their part bounds)."""
+        sums = self.sums.value() if self.sums is not None else None
+        announced = self.announcements.get(leg.peer_rank)
+        if sums is None or announced is None:
+            return None
+        return checksum(sums, announced.first_token // block_size, leg.spec.parts[0])
+
+    def ready_checksums(self) -> list[int] | None:
+        """KvReady's: one checksum per equal byte part of a block, over every block."""
+        sums = self.sums.value() if self.sums is not None else None
+        return None if sums is None else part_checksums(sums)
 
     def timing(self, kv_sent_ns: int = 0) -> Timing:
         return Timing(
@@ -123,10 +146,12 @@ def outcome_message(
             timing=out.timing(event.ended_ns),
             rank=rank,
             tp=tp,
+            alloc_epoch=out.alloc_epoch,
         )
         return subjects.kv_done(p.decode_id), pushed
     if state is TransferState.ABORTED:
-        ack = AbortAck(transfer_id=tid, prefill_id=prefill_id, rank=rank, tp=tp)
+        alloc = out.alloc_epoch
+        ack = AbortAck(transfer_id=tid, prefill_id=prefill_id, rank=rank, tp=tp, alloc_epoch=alloc)
         return subjects.abort(p.decode_id), ack
     failed = KvFailed(
         transfer_id=tid,
@@ -136,6 +161,7 @@ def outcome_message(
         detail=detail[:1000],
         rank=rank,
         tp=tp,
+        alloc_epoch=out.alloc_epoch,
     )
     return subjects.kv_failed(p.decode_id), failed
 

@@ -11,7 +11,9 @@ layers) or after it (then every layer is posted at once: delayed free keeps the 
 mode: once every layer is computed P announces its blocks (``KvReady``) and expects the READs
 of every D rank that holds its heads. Either way the blocks are released to vLLM
 (``finished_sending``) only on quiesced terminal transport events (docs/design.md, correctness
-rule 4), after the bus heard the outcome: KvPushed, KvFailed or AbortAck.
+rule 4), after the bus heard the outcome: KvPushed, KvFailed or AbortAck. With the KV
+checksum on, each layer's block sums are taken as it is computed (``on_layer_computed``, before
+its WRITE); the done notice of a push (and a KvReady) carries the checksum (integrity.py).
 
 The per-transfer object and its states are ``outgoing.Outgoing``'s.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvpush.connector.integrity import KvSums, SourceSums
 from kvpush.connector.layout import ids_to_runs, runs_to_ids
 from kvpush.connector.params import ConnectorSettings, PrefillWork
 from kvpush.connector.peering import TpMismatch
@@ -62,10 +65,12 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         rank: Rank,
         num_layers: int,
         block_size: int,
+        kv_sums: KvSums | None = None,
     ) -> None:
         super().__init__(settings, transport, bus, runtime, rank)
         self.num_layers = num_layers
         self.block_size = block_size
+        self.kv_sums = kv_sums  # None: the KV checksum is off
         self._tid_of: dict[str, str] = {}  # req_id -> transfer_id
         self._completing: list[Outgoing] = []
         bus.subscribe(subjects.blocks(settings.worker_id), self.on_bus)
@@ -113,6 +118,18 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     def completing(self) -> bool:
         """Does this step compute the last prompt token of a kvpush request?"""
         return bool(self._completing)
+
+    def on_layer_computed(self, layer: int) -> None:
+        """Forward thread, as ``layer`` is computed and before its WRITE (on CUDA: on the
+        forward's stream, before the layer gate's event): take its block sums."""
+        if self.kv_sums is None or not self._completing:
+            return
+        with self.lock:
+            for out in self._completing:
+                blocks = out.block_ids[: -(-out.num_tokens // self.block_size)]
+                if out.sums is None or out.sums.ids != blocks:  # (recomputed elsewhere: anew)
+                    out.sums = SourceSums(self.kv_sums, blocks)
+                out.sums.add(layer)
 
     def on_layer_saved(self, layer: int) -> bool:
         """Layer ``layer`` of this step is computed; True if WRITEs were posted for it."""
@@ -164,7 +181,9 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             self._stop(out, TransferState.FAILED, FailReason.INCOMPATIBLE, detail)
             return
         try:
-            leg = out.legs.add(ann.rank, ann.tp, self.transport.config.compat.layout)
+            leg = out.legs.add(
+                ann.rank, ann.tp, self.transport.config.compat.layout, ann.alloc_epoch
+            )
         except TpMismatch as exc:
             detail = (
                 f"decode runs tensor parallel {ann.tp}, prefill {self.rank.size}: {exc};"
@@ -227,7 +246,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             for leg in out.legs.by_rank.values():
                 if not leg.finished:
                     leg.finished = True
-                    self.transport.finish(leg.transport_id)
+                    self.transport.finish(leg.transport_id, out.leg_checksum(leg, self.block_size))
             if out.legs.complete or out.stopping is not None:
                 out.advance(OutgoingState.POSTED)
         elif out.params.mode is TransferMode.PULL and out.state is OutgoingState.WAITING:
@@ -266,6 +285,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                 timing=out.timing(),
                 rank=self.rank.index,
                 tp=self.rank.size,
+                checksums=out.ready_checksums(),
             ),
             trace_parent(out.params.traceparent),
         )
@@ -317,7 +337,7 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         with self.lock:
             for event in events:
                 out, d_rank = self._event_of(event)
-                if out is None:
+                if out is None or event.stale:
                     continue
                 if out.params.mode is TransferMode.PULL:
                     if not event.quiesced:  # over without D's notice: see ``_abort``

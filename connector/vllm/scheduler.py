@@ -13,10 +13,13 @@ it knows came through vLLM or the wake-up line, never through shared Python stat
 - ``pending()``: transfers not yet reported finished by every rank (vLLM counts the ranks);
 - ``suspect_peer``: addresses the driver names go down in the next step's metadata;
 - timing marks come up with each step's output (``KVPushWorkerMeta``) and leave on the
-  request's final output (``kv_transfer_params``, read back with ``params.timing_of``).
+  request's final output (``kv_transfer_params``, read back with ``params.timing_of``);
+- ``integrity_counts()``: the KV integrity outcomes every rank reported with its step output;
+  a receive's own outcome leaves on its request's final output (``INTEGRITY_KEY``).
 
 Decode: the prompt tokens beyond the block-aligned local hit load asynchronously (docs/design.md,
-correctness rule 6) into the blocks ``DecodeWork`` names (PUSH or PULL; LOCAL for a request
+correctness rule 6) into the blocks ``DecodeWork`` names, with an allocation epoch of their own
+that P echoes (PUSH or PULL; LOCAL for a request
 never loaded; ABORT for one that ended while receiving, whose blocks vLLM keeps until the
 receive is reported: correctness rule 3). P's first token comes up with the receive's end
 (``_continue``, ``take_prefill_tokens``; docs/connector.md, "The first token from P").
@@ -30,13 +33,18 @@ another). ``WakeListener`` owns one daemon thread that only sets ``activity``.
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from kvpush.connector.bounded import BoundedDict
 from kvpush.connector.params import (
+    INTEGRITY_KEY,
     TIMING_KEY,
     ConnectorSettings,
     DecodeWork,
@@ -51,7 +59,12 @@ from kvpush.connector.params import (
 )
 from kvpush.connector.tracing import emit_span, now_ns
 from kvpush.connector.vllm import compat
-from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
+from kvpush.connector.vllm.metadata import (
+    KVPushHandshake,
+    KVPushMetadata,
+    KVPushWorkerMeta,
+    merge_outcomes,
+)
 from kvpush.connector.vllm.runtime import ConnectorInfo, TimingMarks
 from kvpush.connector.vllm.wake import WakeListener
 from kvpush.schemas.messages import WorkerRole
@@ -80,6 +93,12 @@ class SchedulerHalf:
         self._receiving: dict[str, TransferParams] = {}
         self._aborting: set[str] = set()  # decode: ended requests whose receive is not over
         self._handled: set[str] = set()  # decode requests already given a receive or LOCAL
+        # decode: one id per block allocation a receive announces (the same on every rank;
+        # unique across restarts: it starts at the clock), the KV integrity counts of every
+        # rank so far, and each receive's outcome until its request ends
+        self._alloc_epochs = itertools.count(time.time_ns() // 1000)
+        self._integrity: Counter[str] = Counter()
+        self._outcomes: BoundedDict[str, str] = BoundedDict(8192)
         # prefill: req_id -> (params, block ids so far, prompt tokens) while still in prefill
         self._prefilling: dict[str, tuple[TransferParams, list[int], int]] = {}
         self._awaiting_push: set[str] = set()  # finished requests whose blocks wait for a push
@@ -151,6 +170,7 @@ class SchedulerHalf:
                 first_token,
                 num_tokens,
                 allocated_ns,
+                next(self._alloc_epochs),
             )
         )
         self._receiving[req_id] = params
@@ -228,6 +248,11 @@ class SchedulerHalf:
             self._suspects.append(address)
         self.activity.set()
 
+    def integrity_counts(self) -> dict[str, int]:
+        """Decode: KV integrity outcomes of every rank so far (``integrity.Outcome`` values, and
+        ``stale``: notices or bus words of another allocation, dropped)."""
+        return dict(self._integrity)
+
     def take_timing(self, transfer_id: str, keep: bool = False) -> Any:
         """Marks of a transfer that came up after its request finished (vLLM calls
         ``request_finished`` before ``update_connector_output`` in the same step). ``keep``:
@@ -258,6 +283,8 @@ class SchedulerHalf:
             for req_id, token in worker_meta.first_tokens.items():
                 if req_id in self._requests_awaiting_token:  # with TP: maybe a step early
                     self._prefill_tokens[req_id] = token
+            self._integrity.update(worker_meta.counts)
+            merge_outcomes(self._outcomes, worker_meta.outcomes)
         self._block_budget = None
         for req_id in output.finished_recving or ():
             params = self._receiving.pop(req_id, None)
@@ -279,15 +306,19 @@ class SchedulerHalf:
                 self._meta.decode.append(DecodeWork(ReceiveKind.ABORT, req_id, params))
                 self._aborting.add(req_id)
             mine = params or read_params(request.kv_transfer_params)
+            outcome = self._outcomes.pop(req_id, None)
             # an aborted request's output (a stop string the detokenizer found, P's token that
             # ended the answer) is already out: its marks stay for the driver (take_timing)
             aborted = getattr(request.status, "name", "") == "FINISHED_ABORTED"
             if mine is None or aborted:
                 return False, None
+            out: dict[str, Any] = {}
             timing = self._marks.take(mine.transfer_id)
-            if timing is None:
-                return False, None
-            return False, {TIMING_KEY: msgspec.to_builtins(timing)}
+            if timing is not None:
+                out[TIMING_KEY] = msgspec.to_builtins(timing)
+            if outcome is not None:  # the receive's, and the engine's counts so far
+                out[INTEGRITY_KEY] = {"outcome": outcome, "counts": self.integrity_counts()}
+            return False, out or None
         self._prefilling.pop(req_id, None)
         if not block_ids or read_params(request.kv_transfer_params) is None:
             return False, None

@@ -74,13 +74,14 @@ class Legs:
         self.expected: int | None = None  # known with the first peer rank's message
         self.by_rank: dict[int, Leg] = {}
 
-    def add(self, peer_rank: int, peer_tp: int, layout: str) -> Leg:
-        """The leg to ``peer_rank`` of ``peer_tp`` (``TpMismatch`` if the pair cannot map)."""
+    def add(self, peer_rank: int, peer_tp: int, layout: str, alloc: int = 0) -> Leg:
+        """The leg to ``peer_rank`` of ``peer_tp`` (``TpMismatch`` if the pair cannot map);
+        ``alloc``: the allocation epoch of the peer's blocks it writes into (echoed)."""
         ours, theirs = self.rank, peer_ranks(peer_rank, peer_tp, self.rank.size)
         parts = tp_slices(ours.index, ours.size, peer_rank, peer_tp, layout)
         self.expected = len(peer_ranks(ours.index, ours.size, peer_tp))
         tid = self.transfer_id if self.expected == 1 else f"{self.transfer_id}>{peer_rank}"
-        spec = LegSpec(self.transfer_id, parts, ours.index, len(theirs))
+        spec = LegSpec(self.transfer_id, parts, ours.index, len(theirs), alloc)
         leg = self.by_rank[peer_rank] = Leg(peer_rank, tid, spec)
         return leg
 

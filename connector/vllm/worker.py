@@ -7,6 +7,9 @@ every engine step: ``bind`` hands this step's ``KVPushMetadata`` to the prefill 
 KV in GPU memory once the GPU ran it: ``gate.LayerGate``, drained by ``wait_for_save``), and
 ``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
 failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
+With the KV checksum on (``kv_checksum``, the default) the registered tensors also get a
+``KvSums`` view (integrity.py): P takes each layer's block sums in ``save_kv_layer`` before the
+layer is handed on, D verifies what landed before a receive is reported.
 
 With tensor parallelism there is one worker half per TP rank, each with its own NIXL agent,
 side channel and bus connection; rank r pairs with rank r of the peer (``rank`` on every bus
@@ -27,9 +30,10 @@ import os
 from typing import Any
 
 from kvpush.connector.bus import BusConfig
+from kvpush.connector.integrity import KvSums
 from kvpush.connector.layout import MemType, pool_layout
 from kvpush.connector.params import ConnectorSettings
-from kvpush.connector.peering import CompatInfo, paged_layout_name
+from kvpush.connector.peering import HEAD_MAJOR_LAYOUTS, CompatInfo, paged_layout_name
 from kvpush.connector.poller import Poller, worker_intervals
 from kvpush.connector.transfer import TransferEvent
 from kvpush.connector.transport import KvTransport, TransportConfig
@@ -71,12 +75,14 @@ class WorkerHalf:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self._layer_index: dict[str, int] = {}
+        self.kv_layers: list[Any] = []  # the registered KV tensor of each layer, in order
         self._gate: LayerGate | None = None  # KV in GPU memory: push a layer once it is written
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(names)}
-        layout = pool_layout([[kv_caches[name]] for name in names])
+        self.kv_layers = [kv_caches[name] for name in names]
+        layout = pool_layout([[tensor] for tensor in self.kv_layers])
         compat = CompatInfo(
             model=self.model_id,
             dtype=self.dtype,
@@ -102,14 +108,21 @@ class WorkerHalf:
         self.poller = Poller(self.transport, **intervals, on_events=rt.notify)
         self.bus = BusThread(BusConfig.from_env(s.nats_url, f"kvpush-{rank_id}"))
         rank = Rank(self.rank, self.tp_size)
+        sums = None
+        if s.kv_checksum:  # a block splits into its KV heads where they are contiguous
+            heads = self.kv_layers[0].shape[1] if compat.layout in HEAD_MAJOR_LAYOUTS else 1
+            try:
+                sums = KvSums(layout, [[tensor] for tensor in self.kv_layers], heads)
+            except ValueError as exc:
+                raise ValueError(f"kvpush KV checksum: {exc} (--kv-checksum off: none)") from exc
         if s.role is WorkerRole.PREFILL:
             self.prefill = PrefillSide(
-                s, self.transport, self.bus, rt, rank, len(names), self.block_size
+                s, self.transport, self.bus, rt, rank, len(names), self.block_size, sums
             )
             if layout.mem_type is MemType.VRAM:
                 self._gate = LayerGate(self._layer_ready)
         else:
-            self.decode = DecodeSide(s, self.transport, self.bus, rt, rank, self.block_size)
+            self.decode = DecodeSide(s, self.transport, self.bus, rt, rank, self.block_size, sums)
         rt.info = ConnectorInfo(
             s.worker_id,
             s.role.value,
@@ -144,6 +157,8 @@ class WorkerHalf:
         index = self._layer_index.get(layer_name)
         if index is None:
             return
+        self.prefill.on_layer_computed(index)  # the KV checksum's sums: before the layer is
+        # handed on (on CUDA: queued on the forward's stream, before the gate's event)
         if self._gate is not None:
             self._gate.record(index)  # on the GPU: posted once the layer ran
         else:
@@ -188,13 +203,15 @@ class WorkerHalf:
         return set(), set(), {}
 
     def worker_meta(self) -> KVPushWorkerMeta | None:
-        """The timing marks learned since the last step and P's first tokens of the receives
-        this step reported finished (the scheduler half continues those requests from them)."""
+        """The timing marks learned since the last step, P's first tokens of the receives this
+        step reported finished (the scheduler half continues those requests from them) and the
+        KV integrity outcomes since the last step."""
         marks = self.runtime.marks.take_all()
         tokens = self.decode.take_first_tokens() if self.decode is not None else {}
-        if not (marks or tokens):
+        counts, outcomes = self.decode.integrity.take() if self.decode is not None else ({}, {})
+        if not (marks or tokens or counts):
             return None
-        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens)
+        return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens, counts, outcomes)
 
     def shutdown(self) -> None:
         if self._gate is not None:

@@ -1,9 +1,12 @@
-"""Aborts, deadlines and a prefill engine that dies: blocks are freed on every path, a late WRITE
-never lands in reused blocks, and decode still answers correctly by computing the prompt.
+"""Aborts, deadlines, corrupted KV and a prefill engine that dies: blocks are freed on every
+path, a late WRITE never lands in reused blocks, KV that is not what P computed is never used,
+and decode still answers correctly by computing the prompt.
 
 A slow prefill engine ("p1": the connector sleeps 400 ms after each of the tiny model's 2 layers
-of the last prefill step) makes every race window wide enough to hit on purpose. The last test
-kills it.
+of the last prefill step) makes every race window wide enough to hit on purpose. Its transfers
+named ``tx-corrupt-*`` get a bit of their KV flipped after P's checksum was taken, those named
+``tx-stale-*`` a stale sender's WRITE into D's blocks after the real one (connector/vllm/
+faults.py). The last test kills it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvpush.schemas import Abort, AbortAck, subjects
 from kvpush.services.natsd import EmbeddedNats
 from tests.integration.conftest import DECODE_ID, connector_config, wait_for
 from tests.integration.engine_proc import P_CORES, EngineProc, start_engine
+from tests.integration.test_connector_integrity import integrity
 from tests.integration.test_connector_vllm import BLOCK, MAX_TOKENS, prompt, reference, request
 
 pytestmark = pytest.mark.engine
@@ -34,6 +38,7 @@ LAYER_DELAY_S = 0.4
 # blocks freed within ABORT_WAIT_S can only have been freed by the abort.
 TRANSFER_TIMEOUT_S = 600.0
 ABORT_WAIT_S = 30.0
+CORRUPT, STALE = "tx-corrupt-", "tx-stale-"  # transfer ids the slow prefill corrupts
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,8 @@ def slow_prefill(
             SLOW_ID,
             nats_server.url,
             fault_layer_delay_ms=LAYER_DELAY_S * 1000,
+            fault_corrupt_prefix=CORRUPT,
+            fault_stale_write_prefix=STALE,
             transfer_timeout_s=TRANSFER_TIMEOUT_S,
         ),
     )
@@ -201,6 +208,72 @@ def test_abort_mid_transfer_frees_both_sides_and_no_late_write_lands(
     slow_prefill.collect([f"p-{tid}"])
     time.sleep(LAYER_DELAY_S * 2)  # P's last layer would have been written by now
     assert [reference(decode, other) for other in others] == expected
+
+
+def through_slow_prefill(
+    slow_prefill: EngineProc, decode: EngineProc, tid: str, ids: list[int], mode: str
+) -> dict[str, Any]:
+    """One P/D request (D announces or waits first, P streams its layers); D's result."""
+    params = kv(tid, mode)
+    decode.submit([request(f"d-{tid}", ids, kv=params, salt=tid)])
+    slow_prefill.submit([request(f"p-{tid}", ids, 1, params)])
+    (d_out,) = decode.collect([f"d-{tid}"])
+    (p_out,) = slow_prefill.collect([f"p-{tid}"])
+    assert d_out["error"] is None and p_out["error"] is None, (d_out, p_out)
+    return d_out
+
+
+def checked_first(
+    slow_prefill: EngineProc, decode: EngineProc, rng: random.Random, mode: str
+) -> dict[str, int]:
+    """A clean transfer through the same engines: verified, the KV used. Its counts are the
+    ones a faulty transfer after it must move."""
+    ids = prompt(rng, 2 * BLOCK + 20)
+    d_out = through_slow_prefill(slow_prefill, decode, new_tid(), ids, mode)
+    assert d_out["kv_landed_ns"] > 0 and integrity(d_out)["outcome"] == "verified", d_out
+    return integrity(d_out)["counts"]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kv_corrupted_after_its_checksum_is_caught_and_decode_recomputes(
+    slow_prefill: EngineProc, decode: EngineProc, rng: random.Random, mode: str
+) -> None:
+    """One bit of every layer's first block flips after P took the checksum, before D gets the
+    bytes (push: before each WRITE; pull: before KvReady). D must not use that KV."""
+    before = checked_first(slow_prefill, decode, rng, mode)
+    ids = prompt(rng, 2 * BLOCK + 50)
+    expected = reference(decode, ids)
+    d_out = through_slow_prefill(
+        slow_prefill, decode, f"{CORRUPT}{uuid.uuid4().hex[:12]}", ids, mode
+    )
+    assert d_out["token_ids"] == expected  # one engine's answer: D computed the prompt
+    assert d_out["kv_landed_ns"] == 0, d_out  # ... itself: what landed was not taken
+    seen = integrity(d_out)
+    assert seen["outcome"] == "mismatch", seen
+    assert seen["counts"]["mismatch"] == before.get("mismatch", 0) + 1, (before, seen)
+    assert seen["counts"]["verified"] == before["verified"], (before, seen)
+
+
+def test_a_stale_write_into_the_blocks_after_the_real_one_is_caught(
+    slow_prefill: EngineProc, decode: EngineProc, rng: random.Random
+) -> None:
+    """After the push wrote layer 0 into D's blocks, a stale sender (an older allocation of
+    those blocks) WRITEs layer 0 again, from P's blocks in reverse order, and sends its done
+    notice. D must drop that notice (else it would take the KV as landed before the last layer
+    and with nothing to check) and must find the misplaced blocks (the same bytes, in other
+    places: a plain sum would not) before the request runs."""
+    before = checked_first(slow_prefill, decode, rng, "push")
+    ids = prompt(rng, 3 * BLOCK + 10)
+    expected = reference(decode, ids)
+    d_out = through_slow_prefill(
+        slow_prefill, decode, f"{STALE}{uuid.uuid4().hex[:12]}", ids, "push"
+    )
+    assert d_out["token_ids"] == expected
+    assert d_out["kv_landed_ns"] == 0, d_out
+    seen = integrity(d_out)
+    assert seen["outcome"] == "mismatch", seen
+    assert seen["counts"]["mismatch"] == before.get("mismatch", 0) + 1, (before, seen)
+    assert seen["counts"]["stale"] == before.get("stale", 0) + 1, (before, seen)
 
 
 def test_decode_falls_back_when_prefill_dies_mid_way(
