@@ -144,6 +144,15 @@ def test_gpu_serve_md_is_the_join_of_issue_29_s_parts() -> None:
         assert report.check_doc(doc, data) is None, part
 
 
+def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
+    """docs/benchmarks/gpu-serve/integrity/: kvpush-push with and without --kv-checksum."""
+    from kvpush.benchmarks.serve import report
+
+    for run in ("checksum", "checksum-c1"):
+        folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
+        assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
+
+
 def test_the_eager_run_s_doc_is_the_join_of_its_committed_parts() -> None:
     """docs/benchmarks/gpu-serve-eager.md (the earlier run, every peer with --enforce-eager)
     is the join of its parts, and the reports of single parts it cites are what they generate."""

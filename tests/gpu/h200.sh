@@ -15,7 +15,8 @@
 # `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
 # command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
 # (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
-# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x). Every step first unpacks the bundle once (/tmp/site) and makes
+# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x; checksum-c1: c=1 only, 40
+# requests). Every step first unpacks the bundle once (/tmp/site) and makes
 # kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -53,6 +54,15 @@ checksum)
         --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
     echo "checksum rc=$?"; tail -8 "$out/checksum.log"
     tar czf "$out/checksum.tgz" -C "$out" checksum && rm -rf "$out/checksum"
+    ;;
+checksum-c1)  # the same at c=1 only, 40 requests a system
+    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
+        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps "" \
+        --concurrency 1 --min-requests 40 --time-budget 540 \
+        --systems kvpush-push,kvpush-push-unchecked \
+        --out-dir "$out/checksum-c1" > "$out/checksum-c1.log" 2>&1
+    echo "checksum-c1 rc=$?"; tail -8 "$out/checksum-c1.log"
+    tar czf "$out/checksum-c1.tgz" -C "$out" checksum-c1 && rm -rf "$out/checksum-c1"
     ;;
 engines)
     name=${SYSTEMS:?SYSTEMS=one,or,more}
