@@ -3,11 +3,13 @@
 Every worker publishes a ``WorkerHeartbeat`` on ``kvpush.v1.heartbeat.<role>.<id>`` every
 ``--heartbeat-s`` (0.5 s) and states its lease in it (``lease_ms``: ``--lease-s``, 1.5 s). A
 ``Membership`` fed with those heartbeats (``observe``; at start also with the JetStream
-registry's last ones, aged by their ``sent_at_ms``) and ticked on a timer (``tick``, every
-quarter of its default lease) holds one ``Member`` per (role, worker id). A member is ``ALIVE``
+registry's last ones, aged by their ``sent_at_ms``) and ticked (``tick``: a worker's view on a
+timer, every quarter of its default lease; the gateway's at each look-up, and its requests look
+every half second) holds one ``Member`` per (role, worker id). A member is ``ALIVE``
 while its heartbeats arrive within its lease, ``DRAINING`` while its heartbeats say so (it
-finishes what it holds; it takes no new work), and ``GONE`` once its lease ran out, its worker
-deregistered, or a heartbeat with a higher epoch (a restart) replaced it. A kill is noticed
+finishes what it holds; it takes no new work), and ``GONE`` once its lease ran out or a heartbeat
+with a higher epoch (a restart) replaced it (a worker that stops drains first, then falls
+silent). A kill is noticed
 within the lease plus one tick. Each transition calls the listeners once: ``joined`` (a new
 member, a new epoch, or a gone one heard again), ``left`` (the member is gone; its reason says
 why). Peers release what a gone member held from ``left``: the gateway moves or fails the
@@ -46,7 +48,6 @@ class MemberState(enum.Enum):
 class LeaveReason(enum.Enum):
     EXPIRED = "expired"  # no heartbeat within the lease
     RESTARTED = "restarted"  # a heartbeat with a higher epoch came
-    DEREGISTERED = "deregistered"  # the worker said it stopped
 
 
 # legal transitions: GONE is final for an epoch
@@ -152,12 +153,6 @@ class Membership:
         for call in self.listeners.joined:
             call(member)
         return member
-
-    def deregister(self, role: WorkerRole, worker_id: str) -> None:
-        """The worker said it stopped (its registry key was deleted)."""
-        member = self._members.get((role, worker_id))
-        if member is not None:
-            self._leave(member, LeaveReason.DEREGISTERED)
 
     def tick(self) -> None:
         """Expire the members whose lease ran out (the owner's timer calls it every ``tick_s``)."""

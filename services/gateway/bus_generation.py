@@ -334,10 +334,14 @@ class BusGeneration:
                     why = f"no first token after {config.request_timeout_s:g} s"
                 error = ApiError(504, f"request timed out: {why}", type_="timeout", code="timeout")
                 raise self._fail(error)
+            waited_from = self.loop.time()
             try:
                 chunk = await self.stream.next(min(remaining, LIVENESS_POLL_S))
             except asyncio.TimeoutError:
-                await self._on_stall()
+                # a wait that overran by a lease: this loop stalled, and the heartbeats queued
+                # meanwhile must be read before anyone is judged gone
+                if self.loop.time() - waited_from < LIVENESS_POLL_S + self.gw.config.worker_lease_s:
+                    await self._on_stall()
                 continue
             except StreamFailed as exc:
                 self.abort_reason = f"stream failed: {exc}"
@@ -351,6 +355,7 @@ class BusGeneration:
         self.completion_tokens += new
         if self.migration is not None:
             self.migration.record(chunk)
+            self.migration.delivered(self.gw.bus.stats.reconnects)
         if new or chunk.text or chunk.outputs:
             self._first_byte()
         if chunk.finish_reason is not None:

@@ -13,8 +13,11 @@ plus every token the client was sent (``sent_ids``), asking for the tokens still
 no token repeated or missing; under greedy sampling it equals an unbroken run.
 
 A request does not move (``movable``) past ``--migration-limit`` moves, for ``n`` > 1 or the
-prompt's log-probabilities (answers and logits only D keeps), and with stop strings once
-tokens were sent (D holds back text that may begin a stop string: it would be lost). With
+prompt's log-probabilities (answers and logits only D keeps), and once tokens were sent, with
+stop strings (D holds back text that may begin a stop string: it would be lost) or sampling
+that depends on the answer so far (a grammar, allowed tokens, presence or frequency penalties,
+bad words, a seed: ``connector.samples_on_prefill``'s list; the new decode worker would read
+the sent tokens as prompt). With
 nowhere to move it (no decode worker alive), a request whose decode worker was lost fails at
 once with a 502, unless the bus broke meanwhile (a nats-server restart: every worker's lease
 runs out at the gateway although the workers live): then it waits up to ``bus_grace_s`` for
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvpush.connector import samples_on_prefill
 from kvpush.schemas.messages import TokenChunk, WorkerRole
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.gateway.routing import Route, Router
@@ -64,13 +68,19 @@ class Migration:
 
     def movable(self) -> bool:
         spec = self.sampling
+        # what only the answer so far decides (min_tokens is owed less what was sent)
+        free = samples_on_prefill(msgspec.structs.replace(spec, logprobs=None, min_tokens=0))
         return (
             self.count < self.limit
             and spec.n == 1
             and spec.prompt_logprobs is None
-            and not (spec.stop and self.sent_ids)
+            and not (self.sent_ids and (spec.stop or not free))
             and len(self.sent_ids) < spec.max_tokens
         )
+
+    def delivered(self, reconnects: int) -> None:
+        """A chunk came in order: nothing was lost before it (a bus break included)."""
+        self.reconnects, self.stuck_at = reconnects, None
 
     def lost(self, router: Router, route: Route, answered: bool, reconnects: int) -> Lost | None:
         """What the request lost (None: nothing); ``answered``: its first token came."""

@@ -18,7 +18,7 @@ engine's own prefill: the gateway sends such a request in mode local).
 
 Each request carries its prefill worker's side channels (from the worker's view of prefill
 workers, ``peers``) so the connector can tell a dead prefill worker from a slow one. A prefill
-worker that leaves the view (silent past its lease, restarted with a new epoch, deregistered)
+worker that leaves the view (silent past its lease, restarted with a new epoch)
 has its side channels probed at once: the connector fails what that worker was sending, so this
 worker computes those prompts itself within a lease of a prefill crash.
 
@@ -53,7 +53,7 @@ from kvpush.services.workers.handles import (
     sequence_output,
 )
 from kvpush.services.workers.inflight import InFlight
-from kvpush.services.workers.worker import Worker, run_worker
+from kvpush.services.workers.worker import STALLED, Worker, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class DecodeWorker(Worker):
         params = None if local else entry.kv_params(addresses)
         handle = self.submit(entry, event.sampling, params)
         if handle is None:
-            await self._send(event, 0, {}, FinishReason.ABORT, 0, _abort_error(entry))
+            if entry.aborted != STALLED:
+                await self._send(event, 0, {}, FinishReason.ABORT, 0, _abort_error(entry))
             return
         log.info(
             "decode rid=%s tid=%s: %d prompt tokens, mode %s, prefill %s (%s)",
@@ -171,6 +172,8 @@ class DecodeWorker(Worker):
                     await self._send(event, seq, fields)
                     seq += 1
                 continue
+            if out.finish_reason == "abort" and entry.aborted == STALLED:
+                return  # the gateway counted us gone and moves the request: no error for it
             reason = _finish_reason(out.finish_reason or "stop")
             error = _abort_error(entry) if out.finish_reason == "abort" else out.error
             late = self.host.link.take_timing(tid)  # came up in the request's last step

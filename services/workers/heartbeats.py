@@ -78,10 +78,13 @@ class Heartbeats:
         last_beat = None
         while not self._closing:
             now = time.monotonic()
-            if last_beat is not None and now - last_beat > self.lease_s:
-                self.on_stall(now - last_beat)
-            last_beat = now
-            await self.beat()
+            try:  # a failing beat or stall handler must not end the beats: the worker would vanish
+                if last_beat is not None and now - last_beat > self.lease_s:
+                    self.on_stall(now - last_beat)
+                last_beat = now
+                await self.beat()
+            except Exception:
+                log.exception("heartbeat failed")
             await asyncio.sleep(self.heartbeat_s)
 
     @staticmethod

@@ -14,7 +14,7 @@ own prefill: D refuses one in push and pull). A request it cannot take (over
 connector saw it) is answered with KvFailed to the decode worker, which then computes the
 prompt itself at once instead of waiting for KV (docs/design.md, correctness rule 5). A decode
 worker that leaves this worker's view of decode workers (``peers``: silent past its lease,
-restarted, deregistered) gets every request still pushing into it aborted at once, which frees
+restarted) gets every request still pushing into it aborted at once, which frees
 their source blocks.
 
 Threading model: ``Worker``'s (asyncio on the main thread, the engine on its own thread).

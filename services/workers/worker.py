@@ -73,6 +73,8 @@ from kvpush.services.workers.registry import Registry
 
 log = logging.getLogger(__name__)
 
+STALLED = "worker stalled past its lease"  # the abort reason of what a stalled worker held
+
 ABORT_MEMORY = 4096
 DEADLINE_GRACE_S = 1.0  # a request still running this long past its deadline is aborted
 
@@ -362,7 +364,7 @@ class Worker:
             len(self._inflight),
         )
         for entry in list(self._inflight.values()):
-            self._abort(entry, "worker stalled past its lease")
+            self._abort(entry, STALLED)
         self.epoch = max(now_ms(), self.epoch + 1)
 
 

@@ -94,13 +94,6 @@ def test_draining_members_are_alive_but_not_offered_for_new_work() -> None:
     assert ids(view, D) == ["d0"]
 
 
-def test_deregistering_leaves_at_once() -> None:
-    view, _, events = membership()
-    view.observe(beat(D, "d0"))
-    view.deregister(D, "d0")
-    assert ids(view, D) == [] and events[-1][1].left_because is LeaveReason.DEREGISTERED
-
-
 def test_roles_filter_and_the_member_bound() -> None:
     clock = Clock()
     view = Membership(2.0, roles=frozenset({P}), max_members=2, clock=clock)

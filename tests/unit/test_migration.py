@@ -35,6 +35,14 @@ def test_what_may_not_move() -> None:
     done = Migration(3, SamplingSpec(max_tokens=1), 0)
     done.record(chunk([1]))
     assert not done.movable()
+    for spec in (SamplingSpec(presence_penalty=0.5), SamplingSpec(temperature=1.0, seed=7)):
+        shaped = Migration(3, spec, 0)  # the new D would read the answer so far as prompt
+        assert shaped.movable()
+        shaped.record(chunk([1]))
+        assert not shaped.movable(), spec
+    counted = Migration(3, SamplingSpec(min_tokens=5, logprobs=2), 0)
+    counted.record(chunk([1]))
+    assert counted.movable()  # min_tokens is owed less what was sent; logprobs come anew
 
 
 def test_what_was_lost() -> None:
@@ -46,11 +54,13 @@ def test_what_was_lost() -> None:
     migration = Migration(3, SamplingSpec(), reconnects=0)
     assert migration.lost(router, route, answered=False, reconnects=0) is None
     assert migration.lost(router, route, answered=False, reconnects=1) is Lost.BUS
+    migration.delivered(reconnects=1)  # a chunk came in order after the break: nothing lost
+    assert migration.lost(router, route, answered=False, reconnects=1) is None
     registry.observe(beat(R.PREFILL, "p", epoch=2))
-    assert migration.lost(router, route, answered=False, reconnects=0) is Lost.PREFILL
-    assert migration.lost(router, route, answered=True, reconnects=0) is None  # D has all
+    assert migration.lost(router, route, answered=False, reconnects=1) is Lost.PREFILL
+    assert migration.lost(router, route, answered=True, reconnects=1) is None  # D has all
     registry.observe(beat(R.DECODE, "d", epoch=2))
-    assert migration.lost(router, route, answered=True, reconnects=0) is Lost.DECODE
+    assert migration.lost(router, route, answered=True, reconnects=1) is Lost.DECODE
 
 
 def test_with_nowhere_to_move_only_a_bus_break_waits_and_not_for_ever() -> None:
