@@ -19,9 +19,10 @@ slice that is a run of parts): on CUDA one Triton kernel reads each block once
 copy). Only these small sums reach the host, once per transfer; the weighting (``checksum``,
 ``part_checksums``) is the same numpy code on both sides.
 
-- P (``SourceSums``): each layer's sums are taken in ``save_kv_layer`` on the forward's stream,
-  before its WRITE is posted (on CUDA before the layer gate's event, so no host sync per layer);
-  after the last layer one non-blocking copy to pinned memory, read once the gate saw it run.
+- P (``SourceSums``): each layer's sums are queued in ``save_kv_layer`` before its WRITE is
+  posted; on CUDA on the side stream, after an event of the forward's stream (the layers that
+  follow do not wait for them, and no host sync per layer); after the last layer one
+  non-blocking copy to pinned memory, read when the done notice is sent.
 - D (``KvSums.all_layers``): the landed blocks' sums, on CUDA on a side stream, read before the
   receive is reported to vLLM.
 
@@ -197,6 +198,15 @@ class KvSums:
         if cuda:  # the side stream, pinned buffers, the kernel: ready before the first receive
             self.all_layers([0])
 
+    @property
+    def side_stream(self) -> Any:
+        """The CUDA stream the sums run on beside the forward's (None off CUDA)."""
+        return self._side
+
+    @property
+    def torch(self) -> Any:
+        return self._torch
+
     def index(self, ids: Sequence[int]) -> Any:
         """Block ids as an index tensor on the KV's device (copied without a host sync)."""
         index = self._torch.tensor(list(ids), dtype=self._torch.long)
@@ -263,8 +273,23 @@ class SourceSums:
         self._pending: Pending | None = None
 
     def add(self, layer: int) -> None:
+        """Take ``layer``'s sums; called on the forward's stream once the layer's KV is written.
+        On CUDA they run on the side stream, after an event of the forward's: the layers that
+        follow do not wait for them (only the done notice does, through ``value``)."""
         if self._pending is not None or layer in self._added:
             return
+        side = self._kv.side_stream
+        if side is None:
+            self._add(layer)
+            return
+        torch = self._kv.torch
+        written = torch.cuda.Event()
+        written.record()  # on the forward's stream: the layer's KV is in its blocks
+        side.wait_event(written)
+        with torch.cuda.stream(side):  # the buffers live and die on the side stream
+            self._add(layer)
+
+    def _add(self, layer: int) -> None:
         if self._out is None:
             self._index, self._out = self._kv.index(self.ids), self._kv.buffer(len(self.ids))
         self._kv.fill(self._out, layer, self._index)
