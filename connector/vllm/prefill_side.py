@@ -120,8 +120,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         return bool(self._completing)
 
     def on_layer_computed(self, layer: int) -> None:
-        """Forward thread, as ``layer`` is computed and before its WRITE (on CUDA: on the
-        forward's stream, before the layer gate's event): take its block sums."""
+        """Forward thread, as ``layer`` is computed and before its WRITE: take its block sums
+        (on CUDA on the side stream, after an event of the forward's: ``SourceSums.add``)."""
         if self.kv_sums is None or not self._completing:
             return
         with self.lock:
