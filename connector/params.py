@@ -94,6 +94,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     advertise_host: str | None = None
     transfer_timeout_s: float = 30.0  # a transfer without deadline_ms gets this long
     abort_ack_timeout_s: float = 2.0  # D waits this long for P's AbortAck before probing P
+    # a P whose side channel listens but does not answer (stopped, hung) is presumed dead only
+    # after this long: until then D keeps the blocks P may still write (probes.py)
+    peer_silent_dead_s: float = 30.0
     min_transfer_tokens: int = 2  # prompts shorter than this are computed locally on D
     ucx_error_handling_mode: str = "none"
     max_pending_announcements: int = 4096

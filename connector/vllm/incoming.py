@@ -53,6 +53,7 @@ class Incoming:
     state: IncomingState = IncomingState.WAITING
     abort_sent_at: float | None = None  # set when we aborted (ABORTING, or WAITING -> SETTLED)
     probing: bool = False
+    silent_since: float | None = None  # a P rank it depends on first found SILENT (probes.py)
     outcome: TransferState | None = None  # set with SETTLED
     failed: bool = False
     request_ended: bool = False

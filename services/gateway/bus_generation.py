@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvpush.gateway")
 LIVENESS_POLL_S = 0.5  # how often a waiting request checks that its workers live
 BUS_GRACE_LEASES = 3  # after a bus break, how long (in worker leases) requests wait for workers
+# a request whose P was lost with no other P alive: how long (in leases) D's own fallback has
+# before the request moves to LOCAL (D falls back within a lease and a 1 s probe of a dead P;
+# a stopped P is not dead: D keeps its blocks, and the request moves to fresh ones)
+PREFILL_GRACE_LEASES = 6
 _BUS_ID = re.compile(r"[^A-Za-z0-9._:-]")
 
 
@@ -242,14 +246,19 @@ class BusGeneration:
         lost = migration.lost(gw.router, route, self.first_at is not None, reconnects)
         if lost is None:
             return
-        # a lost P matters only if another P can do better than D's own fallback
+        # a lost P matters at once only if another P can do better than D's own fallback
         needed = WorkerRole.PREFILL if lost is Lost.PREFILL else WorkerRole.DECODE
         if migration.movable() and gw.router.registry.alive(needed):
             await self._migrate(lost)
             return
         bus_broke = reconnects != migration.reconnects or not gw.bus.client.is_connected
-        grace = BUS_GRACE_LEASES * gw.config.worker_lease_s
+        lease = gw.config.worker_lease_s
+        grace = (PREFILL_GRACE_LEASES if lost is Lost.PREFILL else BUS_GRACE_LEASES) * lease
         if migration.waits(lost, self.loop.time(), bus_broke, grace):
+            return
+        if lost is Lost.PREFILL:  # D's fallback did not come: P may be stopped, not dead
+            if migration.movable() and gw.router.registry.alive(WorkerRole.DECODE):
+                await self._migrate(lost)  # LOCAL, in fresh blocks
             return
         if lost is Lost.BUS:
             self.abort_reason = "bus interrupted"

@@ -21,9 +21,11 @@ the sent tokens as prompt). With
 nowhere to move it (no decode worker alive), a request whose decode worker was lost fails at
 once with a 502, unless the bus broke meanwhile (a nats-server restart: every worker's lease
 runs out at the gateway although the workers live): then it waits up to ``bus_grace_s`` for
-the workers to be heard again, and fails with a 503 past it. A lost prefill worker needs no
-move to be answered: its decode worker computes the prompt itself once P's side channel is
-dead.
+the workers to be heard again, and fails with a 503 past it. A lost prefill worker with no other
+one alive needs no move at first: its decode worker computes the prompt itself once P's side
+channel port refuses (a dead process). A stopped or hung P is not dead (D keeps the blocks it
+may still write into: connector/vllm/probes.py), so past a grace (``PREFILL_GRACE_LEASES``
+leases) without a first token the request moves to LOCAL, in fresh blocks.
 
 Threading model: plain data, used by one ``BusGeneration`` on the gateway's loop.
 """
@@ -103,10 +105,11 @@ class Migration:
         return list(self.sent_ids), owed
 
     def waits(self, lost: Lost, now: float, bus_broke: bool, bus_grace_s: float) -> bool:
-        """With nowhere to move it: whether the request still waits for workers (the bus broke
-        and ``bus_grace_s`` has not passed since the loss was first seen), or fails now."""
-        if lost is Lost.PREFILL:
-            return True  # D computes the prompt itself
+        """With nowhere to move it: whether the request still waits for workers (the bus broke,
+        or its P was lost and D's own fallback may still come, and ``bus_grace_s`` has not
+        passed since the loss was first seen), or fails now (a lost P: moves to LOCAL)."""
         if self.stuck_at is None:
             self.stuck_at = now
+        if lost is Lost.PREFILL:  # D computes the prompt itself once it finds P dead
+            return now - self.stuck_at < bus_grace_s
         return (bus_broke or lost is Lost.BUS) and now - self.stuck_at < bus_grace_s

@@ -70,3 +70,14 @@ def test_with_nowhere_to_move_only_a_bus_break_waits_and_not_for_ever() -> None:
     assert migration.waits(Lost.BUS, 11.0, bus_broke=False, bus_grace_s=6.0)
     assert migration.waits(Lost.DECODE, 15.9, bus_broke=True, bus_grace_s=6.0)
     assert not migration.waits(Lost.DECODE, 16.1, bus_broke=True, bus_grace_s=6.0)
+
+
+def test_a_lost_prefill_waits_for_decodes_own_fallback_only_for_its_grace() -> None:
+    """D computes the prompt itself once it finds P dead; a stopped P is not found dead (D
+    keeps its blocks), so past the grace the request stops waiting (and moves to LOCAL)."""
+    migration = Migration(3, SamplingSpec(), 0)
+    assert migration.waits(Lost.PREFILL, 10.0, bus_broke=False, bus_grace_s=9.0)
+    assert migration.waits(Lost.PREFILL, 18.9, bus_broke=False, bus_grace_s=9.0)
+    assert not migration.waits(Lost.PREFILL, 19.1, bus_broke=False, bus_grace_s=9.0)
+    migration.delivered(reconnects=0)  # a chunk came: the wait starts again at the next loss
+    assert migration.waits(Lost.PREFILL, 30.0, bus_broke=False, bus_grace_s=9.0)
