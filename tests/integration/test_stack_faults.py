@@ -87,17 +87,21 @@ async def blocks_back(stack: Stack, timeout_s: float = 40.0) -> None:
         )
 
 
-async def kv_outcome(stack: Stack, answer: dict[str, Any]) -> str:
-    """What D did with this served push/pull request, as the gateway recorded it when the
-    request ended (just after its last byte): "received" (the KV came from P), "cached" (D's
-    prefix cache held the prompt) or "fallback"."""
+async def recorded(stack: Stack, answer: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's dashboard row of this request (recorded just after its last byte)."""
     deadline = time.monotonic() + 30
     while True:
         rows = [r for r in stack.gateway.api.recent.snapshot() if r["request_id"] == answer["id"]]
         if rows:
-            return str(rows[0]["kv"])
+            return rows[0]
         assert time.monotonic() < deadline, f"request {answer['id']} not recorded"
         await asyncio.sleep(0.05)
+
+
+async def kv_outcome(stack: Stack, answer: dict[str, Any]) -> str:
+    """What D did with this served push/pull request: "received" (the KV came from P),
+    "cached" (D's prefix cache held the prompt) or "fallback"."""
+    return str((await recorded(stack, answer))["kv"])
 
 
 async def serves_again(stack: Stack, rng: random.Random) -> None:
@@ -267,6 +271,32 @@ async def test_decode_stopped_past_its_lease(stack: Stack, rng: random.Random) -
     assert status == 502 and "decode worker" in answer["error"]["message"], answer
     await check_bystanders(others)
     await blocks_back(stack)
+    await serves_again(stack, rng)
+
+
+async def test_prefill_stopped_mid_push_is_not_dead_the_request_moves_local(
+    stack: Stack, rng: random.Random
+) -> None:
+    """A stopped P may still WRITE when it resumes, so D must not reuse the blocks it was given
+    (nor recompute into them): its port accepts, the probe finds it SILENT, not dead. With no
+    other P, the gateway moves the request to LOCAL in fresh blocks after its grace; after
+    SIGCONT, P rejoins, acknowledges D's abort and every block comes back."""
+    text = prompt(rng)
+    status, reference = await complete(stack.gateway.url, text, "local")
+    assert status == 200
+    before = len(stack.announced)
+    request = asyncio.create_task(complete(stack.gateway.url, text, "push"))
+    await wait_announced(stack, before)
+    stack.procs[P].signal(signal.SIGSTOP)
+    try:
+        status, answer = await request
+    finally:
+        stack.procs[P].signal(signal.SIGCONT)
+    assert status == 200, answer
+    assert text_of(answer) == text_of(reference)
+    row = await recorded(stack, answer)
+    assert row["mode"] == "local" and row["kv"] == "", row  # moved, not D's in-place fallback
+    await blocks_back(stack, 90)  # D's old blocks: freed once the resumed P acknowledged
     await serves_again(stack, rng)
 
 
