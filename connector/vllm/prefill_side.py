@@ -45,6 +45,7 @@ from kvpush.connector.vllm.side import Legs, Rank, SideBase
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import (
     Abort,
+    AbortAck,
     BlocksAnnounced,
     FailReason,
     KvPushing,
@@ -79,7 +80,31 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
     # ---- bus thread -------------------------------------------------------------------------
     def on_bus(self, subject: str, message: object) -> None:
         if isinstance(message, (BlocksAnnounced, Abort)) and self.mine(message):
+            if isinstance(message, Abort) and self._ack_ended(message):
+                return
             self._take(message)
+
+    def _ack_ended(self, abort: Abort) -> bool:
+        """An abort of a transfer this rank does not hold is acknowledged at once, so its
+        sender frees the blocks instead of waiting for a word that never comes: one it already
+        ended (quiesced and forgotten: aborted by this worker itself, say after it stalled),
+        or one it never started (its request was aborted before the engine scheduled it). The
+        transfer id is kept among the ended ones, so a request of it that still comes is
+        aborted before any WRITE (``on_work``), and late announcements are dropped."""
+        tid = abort.transfer_id
+        with self.lock:
+            if tid in self._by_tid:
+                return False
+            self._ended[tid] = True
+            self._early.pop(tid, None)
+        ack = AbortAck(
+            transfer_id=tid,
+            prefill_id=self.settings.worker_id,
+            rank=self.rank.index,
+            tp=self.rank.size,
+        )
+        self.bus.publish(subjects.abort(abort.sender), ack, span=False)
+        return True
 
     def _apply(self, out: Outgoing, message: BlocksAnnounced | Abort) -> None:
         if isinstance(message, Abort):
@@ -105,9 +130,12 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                         Legs(tid, self.rank),
                         compute_start_ns=now_ns(),
                     )
+                    ended = tid in self._ended  # its abort came (and was acknowledged) first
                     self._track(tid, out)
                     self._tid_of[item.req_id] = tid
                     self._apply_early(tid, out)
+                    if ended:
+                        self._abort(out, "aborted before it started here")
                 out.block_ids = item.block_ids
                 if item.completes and not out.settled:
                     out.completing = True

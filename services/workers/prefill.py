@@ -73,8 +73,8 @@ class PrefillWorker(Worker):
         )
         sampling = prefill_sampling(event.sampling) if samples_first else PREFILL_SAMPLING
         handle = self.submit(entry, sampling, entry.kv_params())
-        if handle is None:
-            log.info("rid=%s tid=%s aborted before prefill", rid, tid)
+        if handle is None:  # the connector never saw it: nothing is in flight, tell D
+            await self.refuse(event, FailReason.PREFILL, f"aborted before prefill: {entry.aborted}")
             return
         log.info(
             "prefill rid=%s tid=%s: %d tokens, mode %s, decode %s",

@@ -272,9 +272,25 @@ def test_a_transfer_settled_on_the_bus_thread_wakes_the_driver() -> None:
     assert woken == []
     side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="decode computes it"))
     assert side._by_tid[TID].settled and woken == [1]
-    side.on_bus("", Abort(transfer_id="transfer-other", sender="d0"))  # unknown: kept, no wake
+    side.on_bus("", Abort(transfer_id="transfer-other", sender="d0"))  # unknown: acked, no wake
     assert woken == [1]
     runtime.timer.close()
+
+
+def test_an_abort_of_a_transfer_not_held_here_is_acknowledged_and_never_pushed() -> None:
+    """D aborts a receive whose request P never started (aborted before the engine scheduled
+    it, e.g. as P rejoined after a stall) or already ended: P says so at once, else D would
+    keep the blocks for ever; a request of it that still comes is aborted before any WRITE."""
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_bus("", announcement())
+    side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="moved"))
+    assert [ack.transfer_id for ack in rec.messages(AbortAck)] == [TID]
+    side.on_work(work(completes=True))  # the request comes after all
+    assert "start_push" not in rec.names() and side._by_tid[TID].settled
+    assert side.collect({"r0"}, []) == {"r0"} and not side._by_tid
+    side.on_bus("", Abort(transfer_id=TID, sender="d0", reason="again"))  # ended: acked again
+    assert len(rec.messages(AbortAck)) == 3  # the first, the settle's, this one
 
 
 def test_timing_marks_keep_the_first_start_and_the_last_ranks_end() -> None:
