@@ -32,7 +32,10 @@ import msgspec
 
 from kvpush.benchmarks.soak.checks import Category, Delivery, Judgement
 
-PATHS = ("local", "push/received", "push/fallback", "pull/received", "pull/fallback", "unknown")
+PATHS = (
+    "local", "push/received", "push/cached", "push/fallback",
+    "pull/received", "pull/cached", "pull/fallback", "unknown",
+)  # fmt: skip
 
 
 class IdleSample(msgspec.Struct, frozen=True):

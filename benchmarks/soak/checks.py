@@ -23,11 +23,13 @@ Pure functions and immutable records, no I/O (unit-tested on synthetic answers):
   subscription to the gateway's TokenChunks: ``Observed``) and by text; an aborted stream's
   ids so far must be a prefix of the reference's. ``path_of`` names the way the answer was
   made: ``local`` (D computed the prompt: it proves nothing about KV), or
-  ``<push|pull>/<received|fallback>`` (the KV came from P, or D recomputed it), by the gateway's
-  own rule (the final chunk's ``timing.kv_landed``). A request the gateway moved to other
-  workers (migration) is judged by its last transfer: that transfer's prompt is the original
-  prompt plus the tokens the client was already sent, so the answer's ids are those extra
-  prompt tokens followed by the last transfer's chunks (``Observed.answer_ids``).
+  ``<push|pull>/<received|cached|fallback>`` (the KV came from P; D's own prefix cache held the
+  prompt and no KV was asked for; or D recomputed it), by the gateway's own rule (the final
+  chunk's ``timing.kv_landed``, then ``timing.kv_cached``: ``gateway/observe.py``). A request
+  the gateway moved to other workers (migration) is judged by its last transfer: that
+  transfer's prompt is the original prompt plus the tokens the client was already sent, so the
+  answer's ids are those extra prompt tokens followed by the last transfer's chunks
+  (``Observed.answer_ids``).
 
 Threading model: none (pure).
 """
@@ -182,6 +184,7 @@ class Observed:
     kv_landed: bool  # the final chunk's timing: the KV came from the prefill worker
     prompt_ids: tuple[int, ...] = ()  # the RequestEvent's prompt (); not seen
     moves: int = 0  # transfers before this one: the gateway moved the request this often
+    kv_cached: bool = False  # the final chunk's timing: D's prefix cache held the prompt
 
     def answer_ids(self, prompt: tuple[int, ...]) -> tuple[int, ...] | None:
         """The answer's ids given the original ``prompt``: the tokens a move put after it in
@@ -202,12 +205,15 @@ class Judgement:
 
 
 def path_of(observed: Observed | None) -> str:
-    """``local``, ``push/received``, ``push/fallback``, ``pull/...``, or ``unknown``."""
+    """``local``, ``push/received``, ``push/cached``, ``push/fallback``, ``pull/...``, or
+    ``unknown``."""
     if observed is None or observed.mode is None:
         return "unknown"
     if observed.mode == "local":
         return "local"
-    return f"{observed.mode}/{'received' if observed.kv_landed else 'fallback'}"
+    if observed.kv_landed:
+        return f"{observed.mode}/received"
+    return f"{observed.mode}/{'cached' if observed.kv_cached else 'fallback'}"
 
 
 def _error_fields(body: Any) -> tuple[str, str, str | int | None] | str:

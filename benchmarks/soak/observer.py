@@ -10,8 +10,9 @@
   ones with the tokens already sent appended to the prompt;
 - ``kvpush.v1.tokens.<gateway>``: the TokenChunks decode workers send the gateway, per
   transfer, so the soak compares **token ids** (the gateway's OpenAI answers carry only text).
-  The final chunk's ``timing.kv_landed`` says whether the KV came from the prefill worker (the
-  gateway's own received/fallback rule).
+  The final chunk's ``timing.kv_landed`` says whether the KV came from the prefill worker, its
+  ``timing.kv_cached`` whether D's own prefix cache held the prompt (the gateway's own
+  received/cached/fallback rule).
 
 ``observed`` gives a request's last transfer (the latest RequestEvent seen): its prompt, its
 chunks in order, how often it moved. ``served`` holds, per worker, when it last finished a
@@ -56,6 +57,7 @@ class _Transfer:
     chunks: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq -> token ids
     final_seq: int | None = None
     kv_landed: bool = False
+    kv_cached: bool = False
 
     def ids(self) -> tuple[tuple[int, ...], bool]:
         """The chunks' ids from seq 0 without a gap, and whether they are all there."""
@@ -88,6 +90,7 @@ class _Request:
             complete=complete and event is not None,
             mode=event.mode.value if event is not None else None,
             kv_landed=last.kv_landed,
+            kv_cached=last.kv_cached,
             prompt_ids=tuple(event.prompt_token_ids) if event is not None else (),
             moves=max(0, len(self.order) - 1),
         )
@@ -164,6 +167,7 @@ class SoakObserver:
         if message.finish_reason is not None or message.error is not None:
             transfer.final_seq = message.seq
             transfer.kv_landed = message.timing is not None and message.timing.kv_landed > 0
+            transfer.kv_cached = message.timing is not None and message.timing.kv_cached > 0
             event = transfer.event
             if event is not None and message.error is None and message.finish_reason in ANSWERED:
                 now = time.monotonic()

@@ -13,9 +13,11 @@ KV), the gateway's own kv outcome counts disagreeing with the soak's checked pat
 phase that stopped early (a worker or nats-server that failed on its own).
 
 ``markdown`` renders the tables of a report, deterministically, so the copy in
-``docs/reliability.md`` (its generated section ``SECTION``, see ``kvpush.benchmarks.docgen``)
-can be checked against the committed JSON. Reports written before the killer (one worker per
-role, every kind in rounds) load with the defaults of the fields they lack.
+``docs/reliability.md`` (its generated section: ``SECTION`` for the CPU soak, ``GPU_SECTION``
+for the H200's, by the report's device: ``section_of``; see ``kvpush.benchmarks.docgen``) can
+be checked against the committed JSON. Reports written before the killer (one worker per
+role, every kind in rounds), or before the device and model were recorded (the CPU soak, the
+tiny model), load with the defaults of the fields they lack and render as they did.
 
 Threading model: none (pure functions).
 """
@@ -45,6 +47,10 @@ SECTION: Final = "soak"
 REPORT_COMMAND: Final = (
     "kvpush bench soak --report docs/reliability-soak.json --doc docs/reliability.md"
 )
+GPU_SECTION: Final = "soak-h200"  # a cuda run: the H200's (tests/gpu/h200.sh soak)
+GPU_REPORT_COMMAND: Final = (
+    "kvpush bench soak --report docs/reliability-soak-h200.json --doc docs/reliability.md"
+)
 TRANSFERRED: Final = ("push/received", "pull/received")
 NATS: Final = "restart_nats"
 ROUNDS, KILLER = "rounds", "killer"  # schedules: every kind in rounds; nats-server once
@@ -72,6 +78,15 @@ class SoakSettings(msgspec.Struct, frozen=True):
     schedule: str = ROUNDS
     rate_window_s: float = 10.0  # the sliding window of the throughput (measure.recovery_time)
     detect_target_s: float = 2.0
+    # None in reports written before these were recorded (the CPU soak, the tiny model)
+    device: str | None = None  # cpu | cuda
+    model: str | None = None  # --model: a recipe (tiny, llama-8b) or a folder
+    prompt_tokens: int | None = None  # each prompt about this many tokens (None: 8-40 words)
+    time_budget_s: float | None = None  # the whole run's (None: --minutes of load)
+    start_timeout_s: float | None = None  # a worker's start
+    gpu: int | None = None  # cuda: the GPU every engine shares
+    gpu_memory_utilization: float | None = None  # cuda: free at each engine's start
+    kv_cache_gib: float | None = None  # cuda: each engine's KV cache
 
 
 class SoakReport(msgspec.Struct, frozen=True):
@@ -136,6 +151,13 @@ def failures(report: SoakReport) -> list[str]:
     return out + leak_failures(report.intervals)
 
 
+def section_of(report: SoakReport) -> tuple[str, str]:
+    """The generated section of ``docs/reliability.md`` a report goes to, and its command."""
+    if report.settings.device == "cuda":
+        return GPU_SECTION, GPU_REPORT_COMMAND
+    return SECTION, REPORT_COMMAND
+
+
 def load(path: Path) -> SoakReport:
     return msgspec.json.decode(path.read_bytes(), type=SoakReport)
 
@@ -167,16 +189,51 @@ def _faults_line(s: SoakSettings) -> str:
     return f"a fault every {s.fault_every_s:g} s ({kinds}, in rounds)"
 
 
+def _engines_line(s: SoakSettings) -> str:
+    """The device, model and prompts (nothing for reports written before they were kept)."""
+    if s.device is None:
+        return ""
+    size = f"about {s.prompt_tokens} tokens" if s.prompt_tokens else "8-40 words"
+    prompts = f"prompts of {size}"
+    if s.device != "cuda":
+        return f" ({s.device}, model {s.model}, {prompts}, {s.max_tokens} tokens out)"
+    return (
+        f" (cuda: every engine on GPU {s.gpu}, model {s.model}, the workers' CUDA defaults, each "
+        f"engine started with {s.gpu_memory_utilization:g} of the GPU's memory free and a "
+        f"{s.kv_cache_gib:g} GiB KV cache; {prompts}, {s.max_tokens} tokens out)"
+    )
+
+
+def _budget_line(s: SoakSettings) -> str:
+    if s.time_budget_s is None:
+        return ""
+    return f" (the load cut to fit a time budget of {s.time_budget_s:g} s for the whole run)"
+
+
+def _delay(s: SoakSettings) -> str:
+    if not s.layer_delay_ms and s.device is not None:
+        return "P not slowed"
+    return f"P sleeping {s.layer_delay_ms:g} ms per layer"
+
+
+def _cached_note(report: SoakReport) -> str:
+    """The ``cached`` path explained where a report has one (prompts of a block or more)."""
+    if not any(p.path.endswith("/cached") for p in report.paths):
+        return ""
+    return "; `cached`: D's own prefix cache held the prompt, nothing moved"
+
+
 def markdown(report: SoakReport) -> str:
     s, c = report.settings, report.counts
     verdict = "**PASS**" if report.passed else "**FAIL**: " + "; ".join(report.failures)
     burst = f", bursts of {s.burst_clients} extra clients" if "burst" in s.faults else ""
     lines = [
         f"Run ({report.date}, commit {report.kvpush_rev}): {s.minutes:g} min of load and "
-        f"faults ({report.load_s:.0f} s with the quiesces, "
-        f"{report.wall_s:.0f} s in all) on {s.prefill} prefill + {s.decode} decode workers, "
-        f"{s.concurrency} clients, {_faults_line(s)}, P sleeping {s.layer_delay_ms:g} ms per "
-        f"layer, {_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed "
+        f"faults{_budget_line(s)} ({report.load_s:.0f} s with the quiesces, "
+        f"{report.wall_s:.0f} s in all) on {s.prefill} prefill + {s.decode} decode "
+        f"workers{_engines_line(s)}, "
+        f"{s.concurrency} clients, {_faults_line(s)}, {_delay(s)}, "
+        f"{_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed "
         f"and dropped by the client, gateway in-flight bound {s.gateway_max_inflight}{burst}, "
         f"{s.recovery_s:g} s of load after each recovery, settle timeout "
         f"{s.settle_timeout_s:g} s. Verdict: {verdict}.",
@@ -192,7 +249,7 @@ def markdown(report: SoakReport) -> str:
         "",
         "Checked answers by the way they were made (mode the gateway routed / where the KV came "
         "from; `local`: D computed the prompt, which proves nothing about KV; `fallback`: D "
-        "recomputed it after the transfer failed):",
+        f"recomputed it after the transfer failed{_cached_note(report)}):",
         "",
         "| path | token-exact, JSON | token-exact, streamed | client aborts, prefix exact "
         "| wrong |",

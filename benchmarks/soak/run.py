@@ -1,8 +1,10 @@
-"""The soak's run: reference answers, clients, the fault cycle, the report; the CLI entry.
+"""The soak's run: reference answers, clients, the fault cycle, the report.
 
-``Soak.run``: start the stack (``prefill`` + ``decode`` workers); compute a reference (text,
-token ids and the prompt's ids) for every prompt of the pool with a decode worker alone (mode
-local); quiesce once (the baseline idle sample); then for ``minutes``: ``concurrency`` clients
+``Soak.run``: start the stack (``prefill`` + ``decode`` workers on the settings' ``device`` and
+``model``: ``engines``); compute a reference (text, token ids and the prompt's ids) for every
+prompt of the pool (8 to 40 words, or about ``prompt_tokens`` tokens) with a decode worker alone
+(mode local); quiesce once (the baseline idle sample); then for ``minutes`` (less where
+``time_budget_s``, the whole run's, leaves less: ``load_until``): ``concurrency`` clients
 send requests from the pool (mode: the deployment's default twice as often as each of push,
 pull and local; delivery: JSON, streamed to the end with ``stream_share``, streamed and dropped
 after the first event with ``abort_share``), and every ``fault_every`` seconds one fault cycle
@@ -32,7 +34,6 @@ the workers and nats-server are child processes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
@@ -44,7 +45,7 @@ import aiohttp
 import msgspec
 
 from kvpush.benchmarks import docgen
-from kvpush.benchmarks.soak import client
+from kvpush.benchmarks.soak import client, engines
 from kvpush.benchmarks.soak.accounting import (
     IdleSample,
     Interval,
@@ -53,11 +54,10 @@ from kvpush.benchmarks.soak.accounting import (
     summarize_leaks,
 )
 from kvpush.benchmarks.soak.checks import LOAD, Category, Delivery, Judgement, Reference, judge
-from kvpush.benchmarks.soak.faults import FaultPlan, Killer, Played, check_kinds
+from kvpush.benchmarks.soak.faults import FaultPlan, Killer, Played
 from kvpush.benchmarks.soak.measure import FaultRecord, Throughput, recovery_time, summarize
-from kvpush.benchmarks.soak.report import KILLER, SoakReport, SoakSettings, failures
-from kvpush.benchmarks.soak.stack import SoakStack, build_model
-from kvpush.services import models
+from kvpush.benchmarks.soak.report import SoakReport, SoakSettings, failures
+from kvpush.benchmarks.soak.stack import SoakStack
 
 MODES = (None, None, "push", "pull", "local")  # None: the deployment's default (push)
 WORDS = (
@@ -65,8 +65,8 @@ WORDS = (
     "tocko", "gem", "stind", "griond", "chest", "sosio",
 )  # fmt: skip
 BURST_S = 3.0
-REDUNDANT_FLOOR, ALONE_FLOOR = 0.999, 0.7  # --min-success-share's defaults
 BACKOFF_S = 0.5  # a client waits this long after an error
+FINAL_RESERVE_S = 45.0  # of a time budget: the last quiesce and the stop
 
 
 def _say(message: str) -> None:
@@ -103,13 +103,20 @@ class Soak:
         self.s = settings
         self.rng = random.Random(settings.seed)  # prompts and the clients' choices
         self.fault_rng = random.Random(settings.seed + 1)  # the fault sequence
+        self.engines = engines.resolve(
+            settings.device or engines.CPU, settings.model or "tiny", _say, gpu=settings.gpu or 0,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_gib=settings.kv_cache_gib,
+        )  # fmt: skip
+        start_timeout_s = settings.start_timeout_s or engines.START_TIMEOUT_S[self.engines.device]
         self.stack = SoakStack(
-            build_model(), log_dir, prefill=settings.prefill, decode=settings.decode,
+            self.engines, log_dir, prefill=settings.prefill, decode=settings.decode,
             layer_delay_ms=settings.layer_delay_ms, max_inflight=settings.gateway_max_inflight,
+            start_timeout_s=start_timeout_s,
         )  # fmt: skip
         self.killer = Killer(self.stack)
-        roles = {role.value: ids for role, ids in self.stack.roles.items()}
-        self.plan = FaultPlan(settings.faults, roles, self.fault_rng, settings.minutes * 60)
+        self.roles = {role.value: ids for role, ids in self.stack.roles.items()}
+        self.plan: FaultPlan | None = None  # once the load's length is known (run)
         self.tally = Tally()
         self.throughput = Throughput()
         self.gate = Gate()
@@ -122,9 +129,15 @@ class Soak:
 
     # ---- requests --------------------------------------------------------------------------
     async def _references(self) -> None:
+        tokens = self.s.prompt_tokens
+        tokenizer = engines.load_tokenizer(self.engines.model_dir) if tokens else None
         async with client.session() as http:
             for _ in range(self.s.prompts):
-                prompt = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(8, 40)))
+                if tokens:
+                    prompt = engines.sized_prompt(self.rng, WORDS, tokens, tokenizer)
+                else:
+                    words = self.rng.randint(8, 40)
+                    prompt = " ".join(self.rng.choice(WORDS) for _ in range(words))
                 answer = await self._send(http, prompt, "local", Delivery.JSON)
                 seen = await self.stack.watch.observed(answer.request_id, 10.0)
                 if answer.status != 200 or answer.error or seen is None or not seen.complete:
@@ -137,7 +150,7 @@ class Soak:
     ) -> client.Answer:
         return await client.send(
             http, self.stack.url, prompt, mode, delivery,
-            model=models.TINY.name, max_tokens=self.s.max_tokens,
+            model=self.engines.served_name, max_tokens=self.s.max_tokens,
         )  # fmt: skip
 
     def _delivery(self) -> Delivery:
@@ -229,6 +242,7 @@ class Soak:
             # no cycle can start after this one (it ends 1 s and its recovery after this one)
             cycle = self.s.fault_every_s + 3.0 + self.s.recovery_s
             last = quiesced + 1.0 + self.s.recovery_s + cycle >= until
+            assert self.plan is not None, "run() makes the plan"
             kind, victim = self.plan.next(quiesced - started, last)
             self.faults[kind] += 1
             self.window = kind
@@ -283,8 +297,9 @@ class Soak:
         await self._references()
         self._last = (await self.stack.settle(self.s.settle_timeout_s), 0.0)
         started = time.monotonic()
-        until = started + self.s.minutes * 60
-        _say(f"load + faults for {self.s.minutes:g} min")
+        until = load_until(self.s, begun, started)
+        self.plan = FaultPlan(self.s.faults, self.roles, self.fault_rng, until - started)
+        _say(f"load + faults for {(until - started) / 60:.1f} min")
         stopped_early = await self._load(started, until)
         if not stopped_early:
             previous, previous_at = self._last
@@ -328,35 +343,13 @@ class Soak:
         return msgspec.structs.replace(report, failures=failures(report))
 
 
-def settings_from_args(args: argparse.Namespace) -> SoakSettings:
-    """The run's settings; ValueError for a fault set the stack cannot play."""
-    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    check_kinds(kinds, args.prefill, args.decode)
-    floor = args.min_success_share
-    if floor is None:  # redundant workers: a worker's death must cost no answer
-        floor = REDUNDANT_FLOOR if min(args.prefill, args.decode) >= 2 else ALONE_FLOOR
-    return SoakSettings(
-        minutes=args.minutes,
-        concurrency=args.concurrency,
-        fault_every_s=args.fault_every,
-        recovery_s=args.recovery,
-        abort_share=args.abort_share,
-        stream_share=args.stream_share,
-        layer_delay_ms=args.layer_delay_ms,
-        prompts=args.prompts,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        gateway_max_inflight=2 * args.concurrency,
-        burst_clients=3 * args.concurrency,
-        settle_timeout_s=args.settle_timeout,
-        min_success_share=floor,
-        prefill=args.prefill,
-        decode=args.decode,
-        faults=kinds,
-        schedule=KILLER,
-        rate_window_s=args.rate_window,
-        detect_target_s=args.detect_target,
-    )
+def load_until(s: SoakSettings, begun: float, started: float) -> float:
+    """When the load phase that starts at ``started`` ends: ``minutes`` later, or earlier where
+    the run's ``time_budget_s`` (from ``begun``) must keep ``FINAL_RESERVE_S`` for the end."""
+    until = started + s.minutes * 60
+    if s.time_budget_s is not None:
+        until = max(started, min(until, begun + s.time_budget_s - FINAL_RESERVE_S))
+    return until
 
 
 async def run_soak(settings: SoakSettings, log_dir: Path) -> SoakReport:

@@ -2,15 +2,21 @@
 
 ``SoakStack`` owns an embedded nats-server, ``prefill`` prefill workers (``soak-p0``,
 ``soak-p1``, ...; each engine sleeps ``layer_delay_ms`` after each layer of a kvpush prompt: a
-slow prefill keeps race windows open) and ``decode`` decode workers (``soak-d0``, ...; each on
-a fixed side-channel port, so a restart comes back at the same address with a new epoch), as
-child processes pinned to the box's cores in turn (P then D: with one of each on two cores, P
-on core 0 and D on core 1), an in-process gateway (``gateway_id`` ``soak-gw``, in-flight bound
+slow prefill keeps race windows open; 0: not at all) and ``decode`` decode workers
+(``soak-d0``, ...; each on a fixed side-channel port, so a restart comes back at the same
+address with a new epoch), as child processes running their engines as ``engines`` says (the
+device, the model, the engine flags: ``engines.Engines``), pinned to the box's cores
+(``engines.core_sets``: on cpu one core each in turn, P then D: with one of each on two cores,
+P on core 0 and D on core 1; on cuda an even share each) and started in
+``Engines.start_batches`` (cuda: the first alone, then the others), each given
+``start_timeout_s`` to beat; an in-process gateway (``gateway_id`` ``soak-gw``, in-flight bound
 ``max_inflight``) and the soak's ``SoakObserver``.
 
-Faults (``faults.Killer`` plays them): ``kill`` (SIGKILL, start again, wait for the new epoch's
-first heartbeat), ``pause`` (SIGSTOP for a while, then SIGCONT), ``restart_nats``; ``burst`` is
-the load's (see ``run``). ``gateway_epoch`` is the gateway's view of a worker (None: gone).
+Faults (``faults.Killer`` plays them): ``kill`` (SIGKILL to the worker's process group, its
+engine-core process included; every process of the group gone, so a GPU engine's memory is
+free again; start again, wait for the new epoch's first heartbeat), ``pause`` (SIGSTOP for a
+while, then SIGCONT), ``restart_nats``; ``burst`` is the load's (see ``run``).
+``gateway_epoch`` is the gateway's view of a worker (None: gone).
 
 ``settle`` measures every worker idle: it waits, per worker, for consecutive fresh heartbeats
 with ``in_flight`` 0 and the same free block count, until that count is every block (or the
@@ -32,41 +38,43 @@ from pathlib import Path
 
 from kvpush.benchmarks.serve.systems import Process, free_port
 from kvpush.benchmarks.soak.accounting import IdleSample
+from kvpush.benchmarks.soak.engines import Engines, core_sets
 from kvpush.benchmarks.soak.observer import SoakObserver
 from kvpush.connector import Bus, BusConfig
 from kvpush.schemas.messages import WorkerRole
-from kvpush.services import models
 from kvpush.services.gateway import Gateway, GatewayConfig
 from kvpush.services.membership import DEFAULT_LEASE_S
 from kvpush.services.natsd import EmbeddedNats
 
 GATEWAY_ID = "soak-gw"
-START_TIMEOUT_S = 240.0  # a worker's engine start on a busy 2-core box
 REQUEST_TIMEOUT_S = 60.0
 RESTART_PAUSE_S = 1.0  # between a killed worker's exit and its start again
+GROUP_GONE_S = 30.0  # a killed worker's other processes (its engine core) exit within this
 
 
 class SoakStack:
     def __init__(
         self,
-        model: Path,
+        engines: Engines,
         logs: Path,
         *,
         prefill: int,
         decode: int,
         layer_delay_ms: float,
         max_inflight: int,
+        start_timeout_s: float,
     ) -> None:
-        self.model, self.logs = model, logs
+        self.engines, self.logs = engines, logs
+        self.model = engines.model_dir
         self.layer_delay_ms = layer_delay_ms
         self.max_inflight = max_inflight
+        self.start_timeout_s = start_timeout_s
         self.nats = EmbeddedNats()
         self.roles: dict[WorkerRole, list[str]] = {
             WorkerRole.PREFILL: [f"soak-p{i}" for i in range(prefill)],
             WorkerRole.DECODE: [f"soak-d{i}" for i in range(decode)],
         }
-        cores = sorted(os.sched_getaffinity(0))
-        self.cores = {w: cores[n % len(cores)] for n, w in enumerate(self.workers)}
+        self.cores = core_sets(sorted(os.sched_getaffinity(0)), self.workers, engines.device)
         self.ports = {w: free_port() for w in self.roles[WorkerRole.DECODE]}
         # every incarnation of a worker starts with this environment: the in-process gateway's
         # vLLM imports change os.environ (LD_PRELOAD, thread settings, ...), and a worker
@@ -86,16 +94,22 @@ class SoakStack:
         return next(role for role, ids in self.roles.items() if worker_id in ids)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def _worker(self, worker_id: str) -> Process:
+    def worker_argv(self, worker_id: str, nats_url: str) -> tuple[list[str], dict[str, str]]:
+        """The command line of ``worker_id`` and the variables added to its environment."""
         role = self.role_of(worker_id)
         argv = [sys.executable, "-m", "kvpush.services.cli", role.value, "--id", worker_id]
-        argv += ["--nats-url", self.nats.url, "--model", str(self.model)]
-        argv += ["--cpus", str(self.cores[worker_id])]
+        argv += ["--nats-url", nats_url, "--model", str(self.model)]
+        argv += ["--cpus", self.cores[worker_id], *self.engines.flags()]
         env = {}
         if role is WorkerRole.PREFILL:
-            env["KVPUSH_FAULT_LAYER_DELAY_MS"] = str(self.layer_delay_ms)
+            if self.layer_delay_ms:
+                env["KVPUSH_FAULT_LAYER_DELAY_MS"] = str(self.layer_delay_ms)
         else:
             argv += ["--side-channel-port", str(self.ports[worker_id])]
+        return argv, env
+
+    def _worker(self, worker_id: str) -> Process:
+        argv, env = self.worker_argv(worker_id, self.nats.url)
         process = Process(worker_id, argv, self.logs / f"{worker_id}.log")
         process.env = {**self.environ, **env}
         return process.start()
@@ -116,20 +130,21 @@ class SoakStack:
         self._bus = await Bus.connect(BusConfig(url=self.nats.url, name="soak-observer"))
         self.observer = SoakObserver(self._bus, GATEWAY_ID)
         await self.observer.start()
-        for worker_id in self.workers:
-            self.procs[worker_id] = self._worker(worker_id)
-        for worker_id in self.workers:
-            await self._first_beat(worker_id, None)
+        for batch in self.engines.start_batches(self.workers):
+            for worker_id in batch:
+                self.procs[worker_id] = self._worker(worker_id)
+            for worker_id in batch:
+                await self._first_beat(worker_id, None)
         config = GatewayConfig(
             model=str(self.model), nats_url=self.nats.url, port=0, gateway_id=GATEWAY_ID,
             local_threshold=0, max_inflight=self.max_inflight,
             request_timeout_s=REQUEST_TIMEOUT_S, shutdown_grace_s=1.0,
         )  # fmt: skip
         self.gateway = await Gateway.start(config)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         while any(self.gateway_epoch(w) is None for w in self.workers):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway saw not every worker in {START_TIMEOUT_S} s")
+                raise RuntimeError(f"the gateway saw not every worker in {self.start_timeout_s} s")
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
@@ -145,14 +160,14 @@ class SoakStack:
 
     async def _first_beat(self, worker_id: str, old_epoch: int | None) -> None:
         """Until ``worker_id`` beats with an epoch other than ``old_epoch``."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         seq = 0
         while True:
             found = await self.watch.next_beat(worker_id, seq, deadline - time.monotonic())
             if found is None:
                 tail = self.procs[worker_id].tail()
                 raise RuntimeError(
-                    f"{worker_id}: no new heartbeat in {START_TIMEOUT_S:g} s\n{tail}"
+                    f"{worker_id}: no new heartbeat in {self.start_timeout_s:g} s\n{tail}"
                 )
             seq, beat = found
             if beat.epoch != old_epoch:
@@ -179,8 +194,11 @@ class SoakStack:
         """SIGKILL, start again, until the new epoch's first heartbeat."""
         old = self.watch.beats[worker_id].epoch
         victim = self.procs[worker_id]
+        group = victim.proc.pid if victim.proc is not None else None
         victim.signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait)
+        if group is not None:
+            await group_gone(group, GROUP_GONE_S)
         await asyncio.sleep(RESTART_PAUSE_S)
         self.procs[worker_id] = self._worker(worker_id)
         await self._first_beat(worker_id, old)
@@ -238,10 +256,24 @@ class SoakStack:
             previous = beat
 
 
-def build_model() -> Path:
-    """The tiny model (built once into the model cache)."""
+def group_members(group: int, proc: Path = Path("/proc")) -> list[int]:
+    """The live processes of process group ``group`` (zombies, already dead, left out)."""
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
 
-    def say(message: str) -> None:
-        print(f"[soak] {message}", file=sys.stderr, flush=True)
 
-    return models.build_model(models.TINY, models.default_model_cache_dir() / models.TINY.name, say)
+async def group_gone(group: int, timeout_s: float) -> bool:
+    """Until no process of ``group`` is alive (SIGKILLed ones exit at once; a GPU engine's
+    memory is free once its process is gone), at most ``timeout_s``; whether it is gone."""
+    deadline = time.monotonic() + timeout_s
+    while await asyncio.to_thread(group_members, group):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True

@@ -98,9 +98,11 @@ def test_the_tally_counts_paths_windows_and_the_success_share() -> None:
     tally.add(expected, Delivery.JSON, "kill_prefill")
     tally.add(Judgement(Category.UNEXPECTED, "unknown", "500 boom"), Delivery.JSON, LOAD)
     tally.add(Judgement(Category.WRONG, "pull/fallback", "ids"), Delivery.STREAM, LOAD)
-    assert tally.sent == 7
-    assert tally.success_share() == pytest.approx(3 / 6)  # the client's abort is left out
+    tally.add(Judgement(Category.OK, "pull/cached"), Delivery.JSON, LOAD)
+    assert tally.sent == 8
+    assert tally.success_share() == pytest.approx(4 / 7)  # the client's abort is left out
     paths = {p.path: p for p in tally.paths()}
+    assert paths["pull/cached"].json == 1  # D's prefix cache held it: counted, not dropped
     assert (paths["push/received"].json, paths["push/received"].stream) == (1, 1)
     assert paths["pull/received"].aborted == 1 and paths["pull/fallback"].wrong == 1
     assert "unknown" not in paths  # errors are no checked answers

@@ -43,6 +43,14 @@ def test_a_200_with_the_reference_token_ids_is_ok_and_named_by_its_path() -> Non
     assert path_of(None) == "unknown"
 
 
+def test_a_prompt_d_held_in_its_prefix_cache_is_cached_not_fallback() -> None:
+    held = Observed((5, 6, 7), True, "push", False, kv_cached=True)
+    assert path_of(held) == "push/cached"
+    assert judge(ok(), REF, held, LOAD).path == "push/cached"
+    landed = Observed((5, 6, 7), True, "pull", True, kv_cached=True)  # received wins
+    assert path_of(landed) == "pull/received"
+
+
 def test_other_token_ids_are_wrong_even_when_the_text_matches() -> None:
     verdict = judge(ok(), REF, seen((5, 6, 8)), LOAD)
     assert verdict.category is Category.WRONG and "token ids" in verdict.detail

@@ -113,12 +113,13 @@ async def test_a_refused_connection_is_a_problem() -> None:
 
 
 def chunk(
-    seq: int, ids: list[int], final: bool = False, landed: int = 0, transfer: str = "t1"
-) -> TokenChunk:
+    seq: int, ids: list[int], final: bool = False, landed: int = 0, transfer: str = "t1",
+    cached: int = 0,
+) -> TokenChunk:  # fmt: skip
     return TokenChunk(
         request_id="r1", transfer_id=transfer, seq=seq, token_ids=ids,
         finish_reason=FinishReason.LENGTH if final else None,
-        timing=Timing(kv_landed=landed) if final else None,
+        timing=Timing(kv_landed=landed, kv_cached=cached) if final else None,
     )  # fmt: skip
 
 
@@ -145,6 +146,15 @@ async def test_the_observer_assembles_chunks_in_seq_order_and_knows_the_route() 
     assert whole.mode == "push" and whole.kv_landed and whole.prompt_ids == (1,)
     assert whole.moves == 0
     assert await watch.observed("r1", 0.0) is None  # forgotten
+
+
+async def test_the_observer_knows_a_prompt_d_held_in_its_prefix_cache() -> None:
+    watch = SoakObserver(None, "soak-gw")  # type: ignore[arg-type]
+    await watch._on_request("s", request("t1", [1]))
+    await watch._on_chunk("s", chunk(0, [6], final=True, cached=5))
+    held = await watch.observed("r1", 1.0)
+    assert held is not None and held.complete and held.kv_cached and not held.kv_landed
+    assert "soak-p0" not in watch.served  # P did nothing for it
 
 
 async def test_chunks_without_their_request_event_are_never_complete() -> None:

@@ -16,8 +16,9 @@
 # command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
 # (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
 # without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x; checksum-c1: c=1 only, 40
-# requests). Every step first unpacks the bundle once (/tmp/site) and makes
-# kvpush importable from this tree (/tmp/kp); results go under OUT.
+# requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
+# load and faults, default 8, cut to fit the step's 585 s). Every step first unpacks the bundle
+# once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
@@ -46,6 +47,29 @@ ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --
     --time-budget "${BUDGET:-560}")
 
 case $step in
+soak)
+    # issue 31: `kvpush bench soak` on the GPU: 2 P + 1 D of the 8B shape sharing it (the
+    # workers' CUDA defaults, an 8 GiB KV cache each), 120 prompts of 2048 tokens (D's prefix
+    # cache holds about a quarter: most push and pull requests move KV), a fault every 60 s
+    # (kill or stop of a random P, of the D; nats-server restarted once), every answer judged
+    # token-exact. --time-budget ends the load in time for the run to stop by itself (engine
+    # starts: ~100 s cold, ~40 s warm; the step's seconds so far, the bundle's unpacking, count
+    # too); then every process the soak started (they carry KVPUSH_SOAK_MARK: workers, engine
+    # cores, nats-server) is killed by its pid: the step ends within 585 s
+    mark="soak-$$-$RANDOM" limit=$((570 - SECONDS))
+    KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
+        --device cuda --model llama-8b --prefill 2 --decode 1 --minutes "${MINUTES:-8}" \
+        --fault-every 60 --faults kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats \
+        --prompts 120 --prompt-tokens 2048 --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
+        --log-dir "$out/soak-logs" > "$out/soak.log" 2>&1
+    echo "soak rc=$?"; tail -40 "$out/soak.log"
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+        left=$(grep -lasF "KVPUSH_SOAK_MARK=$mark" /proc/[0-9]*/environ | cut -d/ -f3)
+        [ -z "$left" ] && break
+        echo "soak: killing what is left: $left"; kill -9 $left 2>/dev/null; sleep 1
+    done
+    tar czf "$out/soak-logs.tgz" -C "$out" soak-logs && rm -rf "$out/soak-logs"
+    ;;
 checksum)
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
         --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
