@@ -21,8 +21,10 @@ through ``kvpush.connector.EngineLink`` happen here, through vLLM's own extensio
   the step's outputs exist (``token_sender.FirstTokenSender``), not through the worker.
 - ``KVPushWorkerExtension`` (``worker_extension_cls``): methods on every rank's vLLM worker that
   the driver calls with ``collective_rpc``: the rank's identity (side channel, for heartbeats),
-  its live transfers (drain waits for them), and a peer to suspect (a prefill worker whose lease
-  ran out: the decode side probes it). Each returns plain values (they cross vLLM's msgpack).
+  its live transfers (drain waits for them), its KV integrity counts (what it sent up to the
+  scheduler half: the ranks' sum is the half's ``integrity_counts``), and a peer to suspect (a
+  prefill worker whose lease ran out: the decode side probes it). Each returns plain values
+  (they cross vLLM's msgpack).
 
 While a step schedules nothing and only transfers are in flight (D waiting for pushed KV, P
 for its pushes to end), vLLM's engine-core loop would step again at once, holding the GIL
@@ -188,6 +190,13 @@ class KVPushWorkerExtension:
         """Transfers this rank's transport still tracks (drain waits for none)."""
         half = self._kvpush_half()
         return half.transport.active() if half is not None and half.transport else 0
+
+    def kvpush_integrity_counts(self) -> dict[str, int]:
+        """Decode: the KV integrity counts this rank sent up with its step outputs so far
+        (``integrity.Outcome`` values and ``stale``); the scheduler half's counts are the ranks'
+        sum, which the driver adds up (``CoreLink.integrity_counts``). Empty on prefill."""
+        half = self._kvpush_half()
+        return dict(half.integrity_totals) if half is not None else {}
 
     def kvpush_kv_cache_bytes(self) -> int | None:
         """The KV cache bytes this rank's profiling settled on (None: not profiled, e.g. the

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from typing import Any
 
 from kvpush.connector.bus import BusConfig
@@ -77,6 +78,9 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         self.kv_layers: list[Any] = []  # the registered KV tensor of each layer, in order
         self._gate: LayerGate | None = None  # KV in GPU memory: push a layer once it is written
+        # decode: every KV integrity count this rank sent up so far (the scheduler half's are
+        # the ranks' sum: what a driver in another process asks for, ``kvpush_integrity_counts``)
+        self.integrity_totals: Counter[str] = Counter()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         names = list(kv_caches)
@@ -209,6 +213,7 @@ class WorkerHalf:
         marks = self.runtime.marks.take_all()
         tokens = self.decode.take_first_tokens() if self.decode is not None else {}
         counts, outcomes = self.decode.integrity.take() if self.decode is not None else ({}, {})
+        self.integrity_totals.update(counts)
         if not (marks or tokens or counts):
             return None
         return KVPushWorkerMeta({tid: [t] for tid, t in marks.items()}, tokens, counts, outcomes)

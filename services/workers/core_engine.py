@@ -8,10 +8,10 @@ uniproc executor) the model and the connector's worker half live in the engine-c
 which steps on its own busy loop; this process holds vLLM's client (input and output
 processing, detokenizing, stop strings). P's first token comes back as the request's first
 engine output (``kvpush.connector.vllm.engine_core``: kvpush's ``scheduler_cls``), and what
-the worker asks of the connector (each rank's side channel, live transfers, a peer to suspect)
-crosses as ``collective_rpc`` calls to kvpush's ``worker_extension_cls`` (``CoreLink``). The
-pool's free blocks come from vLLM's scheduler stats (``kv_cache_usage``, every step), so stats
-are on, as under ``vllm serve``.
+the worker asks of the connector (each rank's side channel, live transfers, KV integrity
+counts, a peer to suspect) crosses as ``collective_rpc`` calls to kvpush's
+``worker_extension_cls`` (``CoreLink``). The pool's free blocks come from vLLM's scheduler
+stats (``kv_cache_usage``, every step), so stats are on, as under ``vllm serve``.
 
 Threading model: ``AsyncLLM`` lives on one asyncio loop on the daemon thread
 ``kvpush-engine-client``; every public method may be called from any thread and hands its work
@@ -28,6 +28,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -46,7 +47,8 @@ RPC_TIMEOUT_S = 30.0
 
 class CoreLink(EngineLink):
     """The connector as a driver of an engine-core process sees it (``EngineLink``'s face): the
-    ranks' identities (read at start), live transfers and suspects over ``collective_rpc``.
+    ranks' identities (read at start), live transfers, KV integrity counts and suspects over
+    ``collective_rpc`` (any thread but the client's loop: the queries wait for the answer).
     Timing marks and P's first tokens all come on the requests' outputs: none to take here."""
 
     def __init__(self, host: CoreEngineHost) -> None:
@@ -65,6 +67,15 @@ class CoreLink(EngineLink):
     def pending(self) -> int:
         """Transfers some rank's transport still tracks (asks every rank)."""
         return sum(self._host.rpc("kvpush_live_transfers")) if self.connected else 0
+
+    def integrity_counts(self) -> dict[str, int]:
+        """Decode: KV integrity outcomes so far (``EngineLink.integrity_counts``): the sum of
+        what every rank sent up to the scheduler half, which is that half's count (asks every
+        rank; empty on prefill)."""
+        totals: Counter[str] = Counter()
+        for counts in self._host.rpc("kvpush_integrity_counts") if self.connected else []:
+            totals.update(counts or {})
+        return dict(totals)
 
     def suspect_peer(self, address: str) -> None:
         """Tell every rank's decode side (without waiting) that ``address`` may be gone."""

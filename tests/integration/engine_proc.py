@@ -203,6 +203,8 @@ def _child(conn: Any, config: EngineConfig, log_path: str | None) -> None:
             return host.free_blocks()
         if op == "reset_prefix_cache":
             return host.reset_prefix_cache()
+        if op == "integrity_counts":  # the link's (an engine-core process: over collective_rpc)
+            return host.link.integrity_counts()
         if op == "stats":
             return {
                 "steps": host.steps,
@@ -368,6 +370,10 @@ class EngineProc:
 
     def reset_prefix_cache(self) -> bool:
         return self._call("reset_prefix_cache")
+
+    def integrity_counts(self) -> dict[str, int]:
+        """The engine's KV integrity counts as its driver reads them (``link.integrity_counts``)."""
+        return self._call("integrity_counts")
 
     def stats(self) -> dict[str, Any]:
         """Engine steps, idle steps, and the child's CPU seconds so far."""

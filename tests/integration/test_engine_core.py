@@ -5,8 +5,9 @@ connector, on CPU.
 A prefill and a decode engine of that kind (this module's pair, pinned like the session's, own
 worker ids) move KV over real NIXL with a real nats-server. The swap tests prove the KV moved
 (D is told another prompt than P computed, and answers P's), that D continued from the token
-P sampled (kvpush's scheduler reported it from the engine-core process), and every test ends
-with both pools back to where they started (vLLM's scheduler stats, read by the host).
+P sampled (kvpush's scheduler reported it from the engine-core process), that the driver reads
+the KV integrity counts of D's engine-core process (``CoreLink``), and every test ends with
+both pools back to where they started (vLLM's scheduler stats, read by the host).
 """
 
 from __future__ import annotations
@@ -133,3 +134,24 @@ def test_n_answers_and_an_abort_end_as_on_the_in_process_engine(
     decode.abort(rid)
     (out,) = decode.collect([rid])
     assert out["finish_reason"] == "abort" and len(out["token_ids"]) < 3000, out
+
+
+def test_the_driver_reads_the_integrity_counts_of_the_engine_core_process(
+    core_engines: tuple[EngineProc, EngineProc], rng: random.Random
+) -> None:
+    """D's driver asks the engine-core process's ranks for their KV integrity counts
+    (``CoreLink.integrity_counts``, what the decode worker's metric reads): after each verified
+    receive they equal the counts of the scheduler half that the final output carries, moved
+    by one; P reports none."""
+    prefill, decode = core_engines
+    kv = {"prefill_id": IDS[0], "decode_id": IDS[1]}
+    before = decode.integrity_counts()
+    for receives in (1, 2):
+        ids = prompt(rng, 2 * BLOCK + 9)
+        _, d_out = run_pd(core_engines, ids, ids, "push", **kv)
+        seen = (d_out["kv_transfer_params"] or {}).get("kvpush_integrity")
+        assert seen is not None and seen["outcome"] == "verified", d_out
+        counts = decode.integrity_counts()
+        assert counts == seen["counts"], (counts, seen)
+        assert counts["verified"] == before.get("verified", 0) + receives, (before, counts)
+    assert prefill.integrity_counts() == {}

@@ -1,0 +1,69 @@
+"""A worker's own Prometheus series, served beside vLLM's ``vllm:*`` on its ``--metrics-port``.
+
+``IntegrityCollector``: a decode worker's KV integrity outcomes as the counter family
+``kvpush_kv_integrity_total{outcome}`` (``verified``, ``mismatch``: D computed the prompt
+itself, ``unchecked``: landed without a checksum to compare, ``stale``: a notice or bus word of
+another allocation, dropped; any other outcome the connector reports, e.g. ``off``, gets its own
+label value). The counts live in the connector (``EngineLink.integrity_counts``: the scheduler
+half's, or over ``collective_rpc`` the engine-core process's ranks', ``CoreLink``), so the
+collector keeps none: it reads them at scrape time. One collector per worker, registered as it
+is made (when the worker starts its metrics server) and unregistered at its stop (``close``).
+
+Threading model: ``collect`` runs on prometheus_client's server thread, once per scrape; the
+counts source must be callable from any thread (both links' ``integrity_counts`` are). A source
+that fails (the engine stopping) yields a family without samples, and a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+INTEGRITY_METRIC = "kvpush_kv_integrity"  # exposed as kvpush_kv_integrity_total
+# always present (0 until the first of its kind), so that rate() sees every series from start
+INTEGRITY_OUTCOMES = ("verified", "mismatch", "unchecked", "stale")
+INTEGRITY_HELP = (
+    "KV transfers D verified before use, by outcome (mismatch: D computed the prompt itself;"
+    " unchecked: no checksum to compare; stale: dropped words of an old allocation)"
+)
+
+
+class IntegrityCollector(Collector):
+    """``kvpush_kv_integrity_total{outcome}`` read from ``counts`` at each scrape; registered
+    in ``registry`` as it is made (ValueError: the family is there already)."""
+
+    def __init__(
+        self, counts: Callable[[], dict[str, int]], registry: CollectorRegistry = REGISTRY
+    ) -> None:
+        self._counts = counts
+        self._registry = registry
+        registry.register(self)  # asks ``describe``, not the engine
+        self._registered = True
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples: registering asks the engine nothing."""
+        yield CounterMetricFamily(INTEGRITY_METRIC, INTEGRITY_HELP, labels=["outcome"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(INTEGRITY_METRIC, INTEGRITY_HELP, labels=["outcome"])
+        try:
+            counts = self._counts()
+        except Exception as exc:  # the engine is stopping, or its process is gone
+            log.warning("KV integrity counts unavailable: %s", exc)
+            yield family
+            return
+        outcomes = [*INTEGRITY_OUTCOMES, *sorted(set(counts) - set(INTEGRITY_OUTCOMES))]
+        for outcome in outcomes:
+            family.add_metric([outcome], float(counts.get(outcome, 0)))
+        yield family
+
+    def close(self) -> None:
+        """Unregister (the worker stops); again: nothing."""
+        if self._registered:
+            self._registry.unregister(self)
+            self._registered = False

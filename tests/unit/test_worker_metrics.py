@@ -1,0 +1,79 @@
+"""``IntegrityCollector``: a decode worker's KV integrity counts as
+``kvpush_kv_integrity_total{outcome}``, read from its link at each scrape (a fake link here)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvpush.services.workers.worker_metrics import INTEGRITY_OUTCOMES, IntegrityCollector
+
+SERIES = "kvpush_kv_integrity_total"
+
+
+class FakeLink:
+    """What the collector reads: ``integrity_counts`` (how often it was asked, too)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+        self.asked = 0
+        self.fails = False
+
+    def integrity_counts(self) -> dict[str, int]:
+        self.asked += 1
+        if self.fails:
+            raise RuntimeError("CoreEngineHost is not running")
+        return dict(self.counts)
+
+
+def scrape(registry: CollectorRegistry) -> dict[str, float]:
+    """outcome label -> value of every ``kvpush_kv_integrity_total`` sample."""
+    found: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == SERIES:
+                found[sample.labels["outcome"]] = sample.value
+    return found
+
+
+def test_every_outcome_is_a_labelled_counter_read_at_scrape_time() -> None:
+    rng = random.Random(31)
+    counts = {name: rng.randrange(1, 1000) for name in INTEGRITY_OUTCOMES}
+    link, registry = FakeLink({}), CollectorRegistry()
+    collector = IntegrityCollector(link.integrity_counts, registry)
+    assert link.asked == 0  # registering asks the engine nothing
+    assert scrape(registry) == dict.fromkeys(INTEGRITY_OUTCOMES, 0.0)  # before any receive
+    link.counts = counts
+    assert scrape(registry) == {name: float(n) for name, n in counts.items()}
+    link.counts = {**counts, "verified": counts["verified"] + 1, "off": 2}
+    seen = scrape(registry)
+    assert seen["verified"] == counts["verified"] + 1 and seen["off"] == 2.0, seen
+    text = generate_latest(registry).decode()
+    assert f"# TYPE {SERIES} counter" in text, text
+    assert f'{SERIES}{{outcome="mismatch"}} {float(counts["mismatch"])}' in text, text
+    collector.close()
+
+
+def test_close_unregisters_and_a_failing_link_yields_no_samples() -> None:
+    link, registry = FakeLink({"verified": 3}), CollectorRegistry()
+    collector = IntegrityCollector(link.integrity_counts, registry)
+    link.fails = True
+    assert scrape(registry) == {}  # the scrape still answers
+    collector.close()
+    link.fails = False
+    asked = link.asked
+    assert scrape(registry) == {} and link.asked == asked
+    collector.close()  # twice: nothing
+    IntegrityCollector(link.integrity_counts, registry)  # the name is free again
+    assert scrape(registry)["verified"] == 3.0
+
+
+def test_one_collector_per_registry() -> None:
+    """A second collector of the family in the same registry is refused: a worker that did not
+    unregister its own at stop would make the next one's start fail."""
+    registry = CollectorRegistry()
+    IntegrityCollector(FakeLink({}).integrity_counts, registry)
+    with pytest.raises(ValueError):
+        IntegrityCollector(FakeLink({}).integrity_counts, registry)
