@@ -79,7 +79,7 @@ def _action(
 
 
 def build_parser(prog: str = "kvpush bench") -> argparse.ArgumentParser:
-    from kvpush.benchmarks import idle, serve, soak, transport
+    from kvpush.benchmarks import idle, route, serve, soak, transport
 
     parser = argparse.ArgumentParser(
         prog=prog, description="benchmarks (results go under docs/benchmarks/)"
@@ -117,6 +117,14 @@ def build_parser(prog: str = "kvpush bench") -> argparse.ArgumentParser:
         serve.REPORT_DOC,
         serve.add_report_arguments,
         _runs("serve.report"),
+    )
+    _action(
+        sub,
+        "route",
+        "what one routing decision costs: 16 workers, 10k cached prefixes, 1k-8k-token prompts",
+        route.__doc__,
+        route.add_arguments,
+        _runs("route"),
     )
     _action(
         sub,

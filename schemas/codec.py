@@ -23,6 +23,8 @@ from kvpush.schemas.messages import (
     Abort,
     AbortAck,
     BlocksAnnounced,
+    CacheEvents,
+    CacheSync,
     FirstToken,
     KvFailed,
     KvPushed,
@@ -67,6 +69,8 @@ CARRIES: Final[dict[SubjectKind, tuple[type[msgspec.Struct], ...]]] = {
     SubjectKind.TOKENS: (TokenChunk,),
     SubjectKind.ABORT: (Abort, AbortAck),
     SubjectKind.HEARTBEAT: (WorkerHeartbeat,),
+    SubjectKind.CACHE: (CacheEvents,),
+    SubjectKind.CACHE_SYNC: (CacheSync,),
 }
 _DECODERS: Final = {
     kind: msgspec.json.Decoder(Union[carried])  # noqa: UP007
@@ -129,6 +133,8 @@ def _check_ids(parsed: subjects.ParsedSubject, message: BusMessage) -> None:
         expected = {"decode_id": ids[0]}
     elif isinstance(message, WorkerHeartbeat):
         expected = {"role": ids[0], "worker_id": ids[1]}
+    elif isinstance(message, CacheEvents):
+        expected = {"worker_id": ids[1]}
     for field, want in expected.items():
         got = getattr(message, field)
         got = getattr(got, "value", got)  # the role: an enum

@@ -67,6 +67,17 @@ _CHANNELS: Final[dict[str, tuple[SubjectKind, dict[str, str], str]]] = {
         {"role": "prefill or decode", "worker": "worker id"},
         "Worker liveness, load and free blocks; the gateway routes on these.",
     ),
+    "cacheEvents": (
+        SubjectKind.CACHE,
+        {"role": "prefill or decode", "worker": "worker id"},
+        "What a worker's prefix cache stored and dropped (vLLM's KV cache events as chained"
+        " prefix hashes), and its snapshots; the gateway's prefix index is built from these.",
+    ),
+    "cacheSync": (
+        SubjectKind.CACHE_SYNC,
+        {},
+        "A gateway asks workers for snapshots of their prefix caches (at its start, after a gap).",
+    ),
 }
 
 

@@ -43,7 +43,9 @@ PROTOCOL_HISTORY: Final = {
     " allocation id of the announced blocks, absent: 0, unknown) on BlocksAnnounced, echoed"
     " by P on KvPushed, KvFailed and AbortAck (D drops a word of another allocation), and"
     " optional ``checksums`` on KvReady (P's KV checksum of the announced blocks, one per equal"
-    " byte part of a block; absent: not computed, D's READ is then unchecked)",
+    " byte part of a block; absent: not computed, D's READ is then unchecked);"
+    " CacheEvents (a worker's prefix cache, on cache.<role>.<worker>) and CacheSync (a"
+    " gateway asks for snapshots of them, on cache.sync)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 
@@ -368,6 +370,45 @@ class WorkerHeartbeat(_Message):
     sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
     # the worker's lease: silent this long, it is gone (0: the watcher's default)
     lease_ms: Count = 0
+
+
+MAX_CACHE_HASHES: Final = 4096  # stored + removed hashes of one CacheEvents message
+PrefixHash = Annotated[
+    int,
+    Meta(
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="chained hash (int64) of a prompt prefix ending on a block boundary",
+    ),
+]
+PrefixHashes = Annotated[list[PrefixHash], Meta(max_length=MAX_CACHE_HASHES)]
+
+
+class CacheEvents(_Message):
+    """worker -> gateways on ``kvpush.v1.cache.<role>.<worker>``: what the worker's prefix cache
+    stored and dropped since its last message, as chained prefix hashes (schemas/prefix.py) of
+    ``block_size``-token blocks. ``seq`` counts this worker's messages (per epoch, from 0): a
+    gap means one was lost. ``cleared``: everything held before is gone (applied before
+    ``stored``). ``snapshot``: part of an answer to CacheSync; its first message is ``cleared``
+    and the following ``snapshot`` ones up to ``last`` list the rest of what the cache holds."""
+
+    worker_id: WorkerId
+    epoch: Count
+    seq: Count
+    block_size: Annotated[int, Meta(ge=0, le=2**20)]  # tokens per block; 0: none indexed yet
+    stored: PrefixHashes = []
+    removed: PrefixHashes = []
+    cleared: bool = False
+    snapshot: bool = False
+    last: bool = True  # the last message of a snapshot (always True outside snapshots)
+
+
+class CacheSync(_Message):
+    """gateway -> workers on ``kvpush.v1.cache.sync``: send a snapshot of your prefix cache
+    (CacheEvents with ``snapshot``) now; ``workers`` names who (empty: every worker)."""
+
+    sender: WorkerId
+    workers: Annotated[list[WorkerId], Meta(max_length=4096)] = []
 
 
 # every bus message, in the order defined above

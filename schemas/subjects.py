@@ -29,6 +29,18 @@ class SubjectKind(str, enum.Enum):
     TOKENS = "tokens"
     ABORT = "abort"
     HEARTBEAT = "heartbeat"
+    CACHE = "cache"  # a worker's prefix-cache events (CacheEvents)
+    CACHE_SYNC = "cache.sync"  # a gateway asks workers for snapshots of their caches (CacheSync)
+
+
+# id tokens after the kind (1 unless listed), and the kinds whose first token is a role
+_ARITY: Final = {
+    SubjectKind.REQUEST: 2,
+    SubjectKind.HEARTBEAT: 2,
+    SubjectKind.CACHE: 2,
+    SubjectKind.CACHE_SYNC: 0,
+}
+_ROLE_FIRST: Final = frozenset({SubjectKind.HEARTBEAT, SubjectKind.CACHE})
 
 
 class ParsedSubject(NamedTuple):
@@ -100,6 +112,21 @@ def heartbeats(role: WorkerRole | None = None) -> str:
     return f"{ROOT}.heartbeat.{WorkerRole(role).value if role else '*'}.*"
 
 
+def cache_events(role: WorkerRole, worker: str) -> str:
+    """Where a worker publishes what its prefix cache stored and dropped (CacheEvents)."""
+    return f"{ROOT}.cache.{WorkerRole(role).value}.{check_id(worker)}"
+
+
+def cache_events_all() -> str:
+    """Filter for the cache events of every worker (not ``cache.sync``: one token fewer)."""
+    return f"{ROOT}.cache.*.*"
+
+
+def cache_sync() -> str:
+    """Where a gateway asks workers for snapshots of their prefix caches (CacheSync)."""
+    return f"{ROOT}.cache.sync"
+
+
 def parse(subject: str) -> ParsedSubject:
     """Split a concrete v1 subject into its kind and id tokens; raise SubjectError otherwise."""
     parts = subject.split(".")
@@ -108,16 +135,18 @@ def parse(subject: str) -> ParsedSubject:
     rest = parts[2:]
     if rest[0] == "kv" and len(rest) >= 2:
         name, ids = f"kv.{rest[1]}", rest[2:]
+    elif rest[:2] == ["cache", "sync"]:
+        name, ids = SubjectKind.CACHE_SYNC.value, rest[2:]
     else:
         name, ids = rest[0], rest[1:]
     try:
         kind = SubjectKind(name)
     except ValueError:
         raise SubjectError(f"unknown subject kind {name!r} in {subject[:120]!r}") from None
-    arity = 2 if kind in (SubjectKind.REQUEST, SubjectKind.HEARTBEAT) else 1
+    arity = _ARITY.get(kind, 1)
     if len(ids) != arity:
         raise SubjectError(f"subject {subject[:120]!r} needs {arity} id token(s)")
-    if kind is SubjectKind.HEARTBEAT and ids[0] not in {role.value for role in WorkerRole}:
+    if kind in _ROLE_FIRST and ids[0] not in {role.value for role in WorkerRole}:
         raise SubjectError(f"unknown role {ids[0]!r} in {subject[:120]!r}")
     for token in ids:
         check_id(token)

@@ -3,9 +3,13 @@
 Its configuration (``GatewayConfig``, flags, environment) is ``config``'s.
 ``Gateway.start(config)`` reads the model folder (``model``) and builds vLLM's serving layer
 (``vllm_serving``; the engines then see the token ids it renders), connects its own NATS
-connection, subscribes to ``kvpush.v1.heartbeat.*.*`` (worker registry) and
-``kvpush.v1.tokens.<gateway_id>`` (token streams), and serves the aiohttp app; ``.url`` is
-where. ``stop()`` drains: new requests get 503 and ``/ready`` turns 503, in-flight requests get
+connection, subscribes to ``kvpush.v1.heartbeat.*.*`` (worker registry),
+``kvpush.v1.tokens.<gateway_id>`` (token streams) and ``kvpush.v1.cache.*.*`` (the workers'
+prefix caches: ``prefix_index``, which the router asks; a ``CacheSync`` on
+``kvpush.v1.cache.sync`` asks each worker for a snapshot when it joins the registry, so at
+start, and again when the index missed its events), and serves the aiohttp app; ``.url`` is
+where.
+``stop()`` drains: new requests get 503 and ``/ready`` turns 503, in-flight requests get
 ``shutdown_grace_s`` to finish, the rest are failed and aborted, then HTTP, subscriptions and
 NATS close (pending publishes flushed). ``serve(args)`` runs one gateway until SIGTERM/SIGINT
 and stops it gracefully; ``main(args)`` wraps it for the CLI (exit 0 after a clean stop, 1 when
@@ -30,13 +34,16 @@ from nats.aio.subscription import Subscription
 
 from kvpush.connector import Bus, BusConfig, BusConnectError, configure_tracing
 from kvpush.schemas import subjects
+from kvpush.schemas.messages import CacheSync
 from kvpush.services.gateway.config import ConfigError, GatewayConfig
 from kvpush.services.gateway.http_server import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.model import ModelInfo, load_model
+from kvpush.services.gateway.prefix_index import PrefixIndex
 from kvpush.services.gateway.routing import Router, WorkerRegistry
 from kvpush.services.gateway.streaming import TokenStreams
 from kvpush.services.gateway.vllm_serving import build_serving
+from kvpush.services.membership import Member
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,16 @@ class Gateway:
         self.config, self.model, self.bus = config, model, bus
         self.metrics = GatewayMetrics()
         self.registry = WorkerRegistry(config.worker_lease_s, model=model.served_name)
-        self.router = Router(self.registry, config.mode, config.local_threshold)
+        self.prefix_index = PrefixIndex(request_sync=self._ask_cache_sync)
+        self.registry.membership.listeners.joined.append(self._cache_joined)
+        self.registry.membership.listeners.left.append(self._cache_left)
+        self.router = Router(
+            self.registry,
+            config.mode,
+            config.local_threshold,
+            prefix=self.prefix_index,
+            routing=config.routing,
+        )
         self.streams = TokenStreams(bus, config.gateway_id, config.stream_buffer_chunks)
         self.api = GatewayApi(
             config, model, bus, self.router, self.streams, self.metrics, self._spawn
@@ -56,6 +72,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self._heartbeats: Subscription | None = None
         self._kv_events: Subscription | None = None
+        self._cache_events: Subscription | None = None
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self.url = ""
@@ -93,10 +110,12 @@ class Gateway:
 
     async def _setup(self) -> None:
         await self.streams.start()
-        self._heartbeats = await self.bus.subscribe(subjects.heartbeats(), self.registry.on_message)
-        self._kv_events = await self.bus.subscribe(
-            subjects.kv_events(), self.api.observer.on_kv_event, span=False
+        # before the heartbeats: a worker that joins is asked for a snapshot of its cache
+        self._cache_events = await self.bus.subscribe(
+            subjects.cache_events_all(), self.prefix_index.on_message, span=False
         )
+        self._heartbeats = await self.bus.subscribe(subjects.heartbeats(), self.registry.on_message)
+        self._kv_events = await self.bus.subscribe(subjects.kv_events(), self._on_kv, span=False)
         app = web.Application(client_max_size=self.config.max_body_bytes)
         self.api.add_routes(app)
         self._runner = web.AppRunner(
@@ -107,6 +126,24 @@ class Gateway:
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+    async def _on_kv(self, subject: str, message: object) -> None:
+        """KvPushed / KvReady / KvFailed: counted (``observer``), and what a transfer cost
+        teaches the router's cost model."""
+        await self.api.observer.on_kv_event(subject, message)
+        await self.router.costs.on_kv_event(subject, message)
+
+    def _ask_cache_sync(self, workers: list[str]) -> None:
+        """Ask ``workers`` (empty: all) for snapshots of their prefix caches."""
+        ask = CacheSync(sender=self.config.gateway_id, workers=workers)
+        self._spawn(self.bus.publish(subjects.cache_sync(), ask, span=False))
+
+    def _cache_joined(self, member: Member) -> None:
+        hb = member.heartbeat
+        self.prefix_index.joined(hb.worker_id, hb.epoch, hb.total_blocks)
+
+    def _cache_left(self, member: Member) -> None:
+        self.prefix_index.forget(member.heartbeat.worker_id)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -130,7 +167,7 @@ class Gateway:
         await self.streams.stop()  # fails what is still running: those requests abort
         if self._runner is not None:
             await self._runner.cleanup()
-        for subscription in (self._heartbeats, self._kv_events):
+        for subscription in (self._heartbeats, self._kv_events, self._cache_events):
             if subscription is not None:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()

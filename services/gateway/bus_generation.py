@@ -131,6 +131,7 @@ class BusGeneration:
         self.transfer_id = secrets.token_urlsafe(16)
         self.published_ns = self.first_byte_ns = self.last_chunk_ns = 0
         self.worker_timing: Timing | None = None  # from the last TokenChunk
+        self.cached_tokens: int | None = None  # ... its num_cached_tokens (the cost model's)
         self.first_at: float | None = None
         self.ended = False  # D reported the end (final chunk or error): nothing to abort on D
         self.worker_error = False  # ... with an error: P may still be working, abort it
@@ -167,17 +168,19 @@ class BusGeneration:
         with _tracer.start_as_current_span("gateway.route"):
             try:
                 try:
-                    route = gw.router.route(len(ids), mode)
+                    route = gw.router.route(ids, mode)
                 except NoWorkerError as exc:
                     moved = self.migration is not None and self.migration.count
                     if not (moved and exc.role is WorkerRole.PREFILL):
                         raise
-                    route = gw.router.route(len(ids), TransferMode.LOCAL)  # moved: not a 503
+                    mode = TransferMode.LOCAL
+                    route = gw.router.route(ids, mode)  # moved: not a 503
             except NoWorkerError as exc:
                 raise self._fail(
                     ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
                 ) from None
         self.route = route
+        self._explain(route, mode)
         self.deadline = since + config.request_timeout_s
         event = RequestEvent(
             transfer_id=self.transfer_id,
@@ -214,6 +217,16 @@ class BusGeneration:
         await self._publish(event)
         gw.observer.track(self.transfer_id, route.mode.value)
         gw.metrics.routed.labels(route.mode.value).inc()
+
+    def _explain(self, route: Route, requested: TransferMode | None) -> None:
+        """The routing decision in the request's span and the gateway's metrics."""
+        explained, metrics = route.explanation, self.gw.metrics
+        reason = "override" if requested is not None else "least-loaded"
+        if explained is not None:  # --routing routed
+            reason = explained.reason.value
+            metrics.route_decision_seconds.observe(explained.decision_us / 1e6)
+            self.context.span.set_attributes(explained.span_attributes())
+        metrics.route_decisions.labels(route.mode.value, reason).inc()
 
     async def _migrate(self, lost: Lost) -> None:
         """Move the request off what it lost (``migration``)."""
@@ -286,6 +299,9 @@ class BusGeneration:
             gw.spawn(gw.abort(route, self.transfer_id, self.abort_reason, decode=True))
         elif self.worker_error and route.prefill_epoch is not None:
             gw.spawn(gw.abort(route, self.transfer_id, "decode worker error", decode=False))
+        elif not self.worker_error and not (self.migration and self.migration.count):
+            timing, published = self.worker_timing, self.published_ns  # teach the cost model
+            gw.router.learn(route, len(self.prompt_ids), self.cached_tokens, timing, published)
         gw.observer.finished(self._finished())
 
     def _finished(self) -> FinishedRequest:
@@ -369,7 +385,7 @@ class BusGeneration:
             self._first_byte()
         if chunk.finish_reason is not None:
             self.last_chunk_ns = time.time_ns()
-            self.worker_timing = chunk.timing
+            self.worker_timing, self.cached_tokens = chunk.timing, chunk.num_cached_tokens
         if chunk.error is not None or chunk.finish_reason is FinishReason.ERROR:
             self.ended = self.worker_error = True
             why = chunk.error or "unspecified"

@@ -21,6 +21,7 @@ from kvpush.connector import DEFAULT_NATS_URL
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
+from kvpush.services.gateway.routing import RoutingPolicy
 from kvpush.services.settings import ConfigError, Setting
 
 
@@ -79,10 +80,22 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("push", "pull"),
     ),
     Setting(
+        "routing",
+        ("--routing",),
+        RoutingPolicy,
+        "how requests are placed: routed (default: the cheapest of D-local prefill and the"
+        " --mode transfer by estimated TTFT, from each worker's prefix-cache hit, load and"
+        " measured rates) or least-loaded (the least-loaded P and D, --local-threshold decides"
+        " the mode)",
+        choices=tuple(policy.value for policy in RoutingPolicy),
+    ),
+    Setting(
         "local_threshold",
         ("--local-threshold",),
         int,
-        "prompts shorter than this many tokens are served by D alone (default 256; 0: never)",
+        "prompts shorter than this many tokens are served by D alone (default 256; 0: never);"
+        " with --routing routed only until the cost model has measurements (cold start), except"
+        " that 0 still means never (unless a request asks for local)",
     ),
     Setting(
         "first_token",
@@ -222,7 +235,8 @@ class GatewayConfig:
     nats_url: str = DEFAULT_NATS_URL
     gateway_id: str = dataclasses.field(default_factory=lambda: f"gw-{secrets.token_hex(4)}")
     mode: TransferMode = TransferMode.PUSH  # deployment default: push or pull
-    local_threshold: int = 256  # prompts shorter than this (tokens) go LOCAL; 0 disables
+    routing: RoutingPolicy = RoutingPolicy.ROUTED  # routed (cost model) or least-loaded
+    local_threshold: int = 256  # prompts shorter than this go LOCAL (routed: while cold); 0: never
     first_token: WorkerRole = WorkerRole.PREFILL  # who samples it in push and pull
     max_inflight: int = 256  # generation requests served at once
     max_queued: int = 4096  # ... and waiting for a slot (past it: 429)

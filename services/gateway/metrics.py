@@ -2,7 +2,9 @@
 
 Exposed at ``/metrics`` in the Prometheus text format 0.0.4. Counters by endpoint and HTTP
 status, requests in flight, TTFT / TPOT / end-to-end latency histograms, the TTFT breakdown
-(``kvpush_gateway_ttft_part_seconds{part}``), token counts, routing modes, aborts, KV transfers
+(``kvpush_gateway_ttft_part_seconds{part}``), token counts, routing modes, routing decisions
+by mode and reason with the decision's own cost (``kvpush_gateway_route_decisions_total{mode,
+reason}``, ``kvpush_gateway_route_decision_seconds``), aborts, KV transfers
 of this gateway's requests (bytes, seconds, outcomes, failures by reason, from the bus's
 KvPushed / KvReady / KvFailed), and gauges read at scrape time (live workers by role,
 token-stream anomalies, per worker free/total blocks, queue depth and in-flight requests from
@@ -69,6 +71,7 @@ PART_BUCKETS = (
     5.0,
     10.0,
 )
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 WORKER_GAUGES = (
     ("kvpush_worker_free_blocks", "free KV blocks of the worker's engine", "free_blocks"),
     ("kvpush_worker_total_blocks", "KV blocks of the worker's engine", "total_blocks"),
@@ -161,6 +164,20 @@ class GatewayMetrics:
         )
         self.routed = Counter(
             "kvpush_gateway_routed_requests", "requests published, by mode", ["mode"], registry=r
+        )
+        self.route_decisions = Counter(
+            "kvpush_gateway_route_decisions",
+            "routing decisions by chosen mode and reason: override (kvpush_mode), cold (the cost"
+            " model lacks measurements: --local-threshold decided), cost (cheapest estimate),"
+            " only-local (no prefill worker), least-loaded (--routing least-loaded)",
+            ["mode", "reason"],
+            registry=r,
+        )
+        self.route_decision_seconds = Histogram(
+            "kvpush_gateway_route_decision_seconds",
+            "the routed policy's own time per decision (prefix look-up and scoring)",
+            buckets=DECISION_BUCKETS,
+            registry=r,
         )
         self.migrations = Counter(
             "kvpush_gateway_migrations",

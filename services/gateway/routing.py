@@ -9,15 +9,27 @@ alive (its in-flight requests finish) but gets no new work and does not count fo
 heartbeat with a new epoch means the worker restarted: requests routed to an older epoch are
 lost there (``Gateway`` moves them to another decode worker, or fails them at once).
 
-Selection is least-loaded, per role: load = the heartbeat's ``in_flight + queue_depth`` plus the
-requests this gateway sent to the worker since that heartbeat (so a burst between two
-heartbeats spreads instead of piling onto one worker); decode ties prefer more free blocks;
-remaining ties go to the least recently picked worker.
+A worker's load is the heartbeat's ``in_flight + queue_depth`` plus the requests this gateway
+sent to it since that heartbeat (so a burst between two heartbeats spreads instead of piling
+onto one worker).
 
-``Router.route`` picks the mode first: a per-request ``kvpush_mode`` wins; otherwise prompts
-shorter than ``local_threshold`` tokens go LOCAL (only D works), the rest use the deployment's
-mode (push or pull). LOCAL still publishes on ``req.<P>.<D>`` with a live P (which ignores it)
-or, with no prefill worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
+``Router.route`` has two policies (``RoutingPolicy``, ``--routing``):
+
+- **least-loaded**: the mode first: a per-request ``kvpush_mode`` wins; otherwise prompts
+  shorter than ``local_threshold`` tokens go LOCAL (only D works), the rest use the
+  deployment's mode (push or pull). Then the least-loaded worker per role; decode ties prefer
+  more free blocks; remaining ties go to the least recently picked worker.
+- **routed** (the default): the cheapest candidate by estimated TTFT (``route_choice``,
+  ``cost_model``), given each worker's prefix-cache hit on the prompt (``PrefixLookup``, when
+  the gateway has an index) and its load. Candidates: the override's mode alone when the request
+  sets one; LOCAL alone with no live P; while the cost model is cold, the least-loaded policy's
+  mode (``--local-threshold`` is the cold-start rule); else LOCAL on every D (unless
+  ``local_threshold`` is 0: never LOCAL unasked, in both policies) and the deployment's mode on
+  every (P, D) pair. Ties go to the least-loaded worker. The route carries
+  a ``RouteExplanation`` (trace attributes, metrics). ``learn`` feeds finished requests back.
+
+LOCAL still publishes on ``req.<P>.<D>`` with a live P (which ignores it) or, with no prefill
+worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
 
 ``first_token_by`` says who samples the answer's first token: the deployment's choice
 (``--first-token``, prefill by default) for push and pull when the chosen P sends one (its
@@ -35,21 +47,54 @@ no locks, no awaits inside a selection.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from kvpush.connector import samples_on_prefill
 from kvpush.schemas.codec import BusMessage
-from kvpush.schemas.messages import SamplingSpec, TransferMode, WorkerHeartbeat, WorkerRole
+from kvpush.schemas.messages import (
+    SamplingSpec,
+    Timing,
+    TransferMode,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from kvpush.services.gateway.cost_model import CostModel
+from kvpush.services.gateway.route_choice import (
+    RouteExplanation,
+    RouteReason,
+    choose,
+    decode_order,
+    prefill_order,
+)
 from kvpush.services.membership import DEFAULT_LEASE_S, LeaveReason, Member, Membership
 
 log = logging.getLogger(__name__)
 
 DECODE_ONLY: Final = "_"
 """Prefill id of a LOCAL request published while no prefill worker is alive."""
+
+
+class RoutingPolicy(str, enum.Enum):
+    """How ``Router.route`` chooses (``--routing``); see the module docstring."""
+
+    ROUTED = "routed"
+    LEAST_LOADED = "least-loaded"
+
+
+class PrefixLookup(Protocol):
+    """What the router asks of the gateway's prefix index (``prefix_index.PrefixIndex``)."""
+
+    block_size: int  # tokens per block the index hashes with (0 while unknown)
+
+    def matched_tokens(self, token_ids: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+        """Leading prompt tokens (whole blocks only) each listed worker holds in its prefix
+        cache, by worker id; a worker with none may be left out."""
+        ...
 
 
 @dataclass
@@ -78,6 +123,7 @@ class Route:
     decode_epoch: int
     prefill_epoch: int | None = None  # None: no real prefill worker takes part
     prefill_sends_first_token: bool = False  # its heartbeat says it sends FirstToken
+    explanation: RouteExplanation | None = None  # the routed policy's: why this route
 
 
 class NoWorkerError(LookupError):
@@ -156,8 +202,12 @@ class WorkerRegistry:
         """Return once a worker of ``role`` has been seen (at once if one has been)."""
         await self._seen[role].wait()
 
-    def alive(self, role: WorkerRole, *, include_draining: bool = False) -> list[WorkerState]:
-        self.membership.tick()
+    def alive(
+        self, role: WorkerRole, *, include_draining: bool = False, tick: bool = True
+    ) -> list[WorkerState]:
+        """The live workers of ``role`` (``tick``: expire those past their lease first)."""
+        if tick:
+            self.membership.tick()
         members = self.membership.members(role, include_draining=include_draining)
         return [self._workers[m.key] for m in members]
 
@@ -171,13 +221,17 @@ class WorkerRegistry:
         if not candidates:
             raise NoWorkerError(role)
         if role is WorkerRole.DECODE:
-            best = min(candidates, key=lambda s: (s.load, -s.heartbeat.free_blocks, s.last_pick))
+            best = min(candidates, key=decode_order)
         else:
-            best = min(candidates, key=lambda s: (s.load, s.last_pick))
-        best.last_pick = self._clock()
-        if count:
-            best.sent_since_heartbeat += 1
+            best = min(candidates, key=prefill_order)
+        self.mark(best, count=count)
         return best
+
+    def mark(self, state: WorkerState, *, count: bool = True) -> None:
+        """``state`` was picked now (and, with ``count``, sent a request)."""
+        state.last_pick = self._clock()
+        if count:
+            state.sent_since_heartbeat += 1
 
     def counts(self) -> dict[str, int]:
         return {role.value: len(self.alive(role)) for role in WorkerRole}
@@ -187,16 +241,32 @@ class Router:
     """Mode choice and P/D selection; see the module docstring."""
 
     def __init__(
-        self, registry: WorkerRegistry, default_mode: TransferMode, local_threshold: int
+        self,
+        registry: WorkerRegistry,
+        default_mode: TransferMode,
+        local_threshold: int,
+        *,
+        prefix: PrefixLookup | None = None,
+        routing: RoutingPolicy | str = RoutingPolicy.ROUTED,
+        costs: CostModel | None = None,
     ) -> None:
         if default_mode is TransferMode.LOCAL:
             raise ValueError("the deployment mode is push or pull; LOCAL is chosen per request")
         self.registry = registry
         self.default_mode = default_mode
         self.local_threshold = local_threshold
+        self.prefix = prefix
+        self.policy = RoutingPolicy(routing)
+        self.costs = costs if costs is not None else CostModel()
 
-    def route(self, prompt_tokens: int, requested: TransferMode | None = None) -> Route:
-        """Choose mode, D and P; raise ``NoWorkerError`` when a needed role has no worker."""
+    def route(self, prompt: int | Sequence[int], requested: TransferMode | None = None) -> Route:
+        """Choose mode, D and P for a prompt (its token ids, or only its length: no prefix
+        look-up); raise ``NoWorkerError`` when a needed role has no worker."""
+        if self.policy is RoutingPolicy.ROUTED:
+            return self._routed(prompt, requested)
+        return self._least_loaded(prompt if isinstance(prompt, int) else len(prompt), requested)
+
+    def _least_loaded(self, prompt_tokens: int, requested: TransferMode | None) -> Route:
         mode = requested
         if mode is None:
             short = prompt_tokens < self.local_threshold
@@ -221,6 +291,83 @@ class Router:
             decode.heartbeat.epoch,
             prefill.heartbeat.epoch if transfer else None,
             transfer and prefill.heartbeat.sends_first_token,
+        )
+
+    def _routed(self, prompt: int | Sequence[int], requested: TransferMode | None) -> Route:
+        started = time.perf_counter_ns()
+        prompt_tokens = prompt if isinstance(prompt, int) else len(prompt)
+        prefills = self.registry.alive(WorkerRole.PREFILL)
+        if requested is not None:
+            if requested is not TransferMode.LOCAL and not prefills:
+                raise NoWorkerError(WorkerRole.PREFILL)
+            modes, reason = (requested,), RouteReason.OVERRIDE
+        elif not prefills:
+            modes, reason = (TransferMode.LOCAL,), RouteReason.ONLY_LOCAL
+        elif not self.costs.warm:
+            short = prompt_tokens < self.local_threshold
+            modes = (TransferMode.LOCAL if short else self.default_mode,)
+            reason = RouteReason.COLD
+        elif self.local_threshold == 0:  # never LOCAL unless asked: pick the pair by cost
+            modes, reason = (self.default_mode,), RouteReason.COST
+        else:
+            modes, reason = (TransferMode.LOCAL, self.default_mode), RouteReason.COST
+        decodes = self.registry.alive(WorkerRole.DECODE, tick=False)  # ticked just now
+        if not decodes:
+            raise NoWorkerError(WorkerRole.DECODE)
+        transfer = modes != (TransferMode.LOCAL,)
+        hits: dict[str, int] = {}
+        if self.prefix is not None and self.prefix.block_size > 0 and not isinstance(prompt, int):
+            workers = [s.heartbeat.worker_id for s in decodes]
+            if transfer:
+                workers += [s.heartbeat.worker_id for s in prefills]
+            hits = self.prefix.matched_tokens(prompt, workers)
+        picked = choose(self.costs, prompt_tokens, hits, decodes, prefills, modes)
+        decode, prefill = picked.decode, picked.prefill
+        self.registry.mark(decode)
+        if prefill is not None:
+            self.registry.mark(prefill)
+        explanation = RouteExplanation(
+            reason,
+            picked.choice,
+            picked.alternatives,
+            (time.perf_counter_ns() - started) / 1000.0,
+        )
+        d = decode.heartbeat
+        if prefill is None:
+            prefill_id = DECODE_ONLY
+            if prefills:  # any live P carries the subject; it ignores LOCAL requests
+                carrier = min(prefills, key=prefill_order)
+                self.registry.mark(carrier, count=False)
+                prefill_id = carrier.heartbeat.worker_id
+            local = TransferMode.LOCAL
+            return Route(prefill_id, d.worker_id, local, d.epoch, None, False, explanation)
+        p = prefill.heartbeat
+        mode = picked.choice.candidate.mode
+        return Route(
+            p.worker_id, d.worker_id, mode, d.epoch, p.epoch, p.sends_first_token, explanation
+        )
+
+    def learn(
+        self,
+        route: Route,
+        prompt_tokens: int,
+        cached_tokens: int | None,
+        timing: Timing | None,
+        published_ns: int = 0,
+    ) -> None:
+        """A request of ``route`` finished: feed its timing to the cost model (``timing``: the
+        last TokenChunk's, ``cached_tokens``: its ``num_cached_tokens``)."""
+        explained = route.explanation
+        self.costs.learn(
+            route.mode,
+            route.prefill_id if route.prefill_epoch is not None else None,
+            route.decode_id,
+            prompt_tokens,
+            prefill_hit=explained.prefill_prefix_tokens if explained else 0,
+            decode_hit=explained.decode_prefix_tokens if explained else 0,
+            cached_tokens=cached_tokens,
+            timing=timing,
+            published_ns=published_ns,
         )
 
     def lost(self, route: Route) -> WorkerRole | None:

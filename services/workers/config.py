@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.metadata
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
     transfer_timeout_s: float = 30.0  # a transfer without a deadline gets this long
     kv_checksum: str = "on"  # "on": P checksums the moved KV, D verifies it; "off": neither
+    kv_events: str = "on"  # "on": vLLM's KV cache events feed CacheEvents (cache_events.py)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: any free port (it is advertised in heartbeats)
     advertise_host: str | None = None
@@ -82,6 +85,15 @@ class WorkerConfig:
     log_level: str = "INFO"
     metrics_port: int | None = None  # vLLM's vllm:* engine metrics on /metrics (0: any port)
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        """The ZMQ socket the engine publishes its KV cache events on, private to this worker
+        process ("" with ``--kv-events off``): the same on every call in one process."""
+        if self.kv_events != "on":
+            return ""
+        name = hashlib.blake2b(self.worker_id.encode(), digest_size=6).hexdigest()
+        return f"ipc://{tempfile.gettempdir()}/kvpush-kvev-{os.getpid()}-{name}"
 
     def engine_config(self) -> EngineConfig:
         extra: dict[str, Any] = {

@@ -22,6 +22,7 @@ OWNED: dict[str, str] = {
     "scheduler_cls": "kvpush's scheduler reports P's first token from the engine core",
     "worker_extension_cls": "kvpush's worker extension answers the worker's rank questions",
     "disable_log_stats": "kvpush reads the pool's free blocks from the engine's stats",
+    "kv_events_config": "kvpush reads the engine's KV cache events (--kv-events)",
     "model": "use kvpush's --model",
     "served_model_name": "use kvpush's --served-model-name",
     "max_model_len": "use kvpush's --max-model-len (the gateway checks prompts against it)",

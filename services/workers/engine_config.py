@@ -1,6 +1,7 @@
 """What an engine is built from and where it runs: ``EngineConfig`` (model, device, memory,
 connector, executor, cores, the driver's waits), ``engine_kwargs`` (its ``EngineArgs``),
 ``engine_env`` (the environment variables an engine sets before vLLM is imported),
+``kv_events_config`` (vLLM's KV cache events, which ``cache_events`` reads),
 ``rank_core_lists`` (the cores of each TP rank) and ``wait_for_gate`` (the engine's turn on a
 shared GPU).
 
@@ -52,6 +53,9 @@ class EngineConfig:
     idle_wait_s: float = 0.05  # longest sleep between idle steps when nothing wakes us ...
     connector_idle_wait_s: float = 30.0  # ... with a kvpush connector, which wakes us itself
     max_queued_commands: int = 4096
+    # vLLM's KV cache events published on this ZMQ endpoint (cache_events.py reads them);
+    # "": none. Bound by the engine's scheduler: this process, or its engine-core process
+    kv_events_endpoint: str = ""
 
     @property
     def tp(self) -> int:
@@ -143,11 +147,29 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         # as `vllm serve --reasoning-parser`: the engine's structured-output manager holds a
         # request's grammar (json_schema, a named tool) until the model's reasoning has ended
         kwargs.update(reasoning_parser=cfg.reasoning_parser)
+    if cfg.kv_events_endpoint:
+        kwargs.update(kv_events_config=kv_events_config(cfg.kv_events_endpoint))
     # kvpush serves vLLM's OpenAI API: the defaults vLLM picks for what `vllm serve` does
     # (max_num_batched_tokens: 8192 on an H200, 2048 per rank on CPU), not the engine
     # context's (2048 everywhere): the caller builds with UsageContext.OPENAI_API_SERVER
     kwargs.update(parse_engine_args(cfg.engine_args, engine_core=cfg.engine_core))
     return kwargs
+
+
+def kv_events_config(endpoint: str) -> Any:
+    """vLLM's ``KVEventsConfig``: block stored/removed/cleared events of the prefix cache on a
+    ZMQ PUB socket bound at ``endpoint`` (an ipc:// path: private to this host). No replay, so
+    the publisher keeps one batch, not its default 10,000 (a long prompt's batch carries its
+    token ids). One publisher per engine whatever the TP: the scheduler's, in the engine core."""
+    from vllm.config.kv_events import KVEventsConfig  # vLLM is imported by now
+
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=endpoint,
+        topic="kvpush",
+        buffer_steps=1,
+    )
 
 
 def wait_for_gate(cfg: EngineConfig, report: Callable[[str], None]) -> None:

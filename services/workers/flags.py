@@ -214,6 +214,15 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("on", "off"),
     ),
     Setting(
+        "kv_events",
+        ("--kv-events",),
+        str,
+        "report what the engine's prefix cache holds: vLLM's KV cache events, read from a"
+        " socket private to this worker, published as CacheEvents on"
+        " kvpush.v1.cache.<role>.<worker> for the gateway's prefix index (default on)",
+        choices=("on", "off"),
+    ),
+    Setting(
         "side_channel_host",
         ("--side-channel-host",),
         str,

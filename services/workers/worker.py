@@ -9,7 +9,7 @@ CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (tran
 JetStream KV bucket of ``registry``, which seeds a starting peer's view), the view of the other
 role's workers (``peers``: ``PeerWatch``, ``services.membership``), and with
 ``--metrics-port`` vLLM's own engine metrics (the ``vllm:*`` series its engine records in this
-process) on ``http://HOST:PORT/metrics``.
+process) on ``http://HOST:PORT/metrics``, with a decode worker's KV checks (``worker_metrics``).
 ``PrefillWorker`` / ``DecodeWorker`` add what a request means for their role (``serve``,
 ``refuse``) and what a gone peer held means for them.
 
@@ -26,7 +26,8 @@ Threading model: one asyncio loop on the main thread runs bus handlers, one task
 the heartbeat task; the engine host runs the engine on its own thread (``EngineHost``:
 ``kvpush-engine``, the connector's worker half too; ``CoreEngineHost``: vLLM's client on
 ``kvpush-engine-client``, the engine in its own process) and feeds request outputs back; the
-connector keeps its own NATS connection on its ``kvpush-bus`` thread, prometheus_client's
+connector keeps its own NATS connection on its ``kvpush-bus`` thread, vLLM's KV cache events
+are read on ``kvpush-kv-events`` (``cache_events``), prometheus_client's
 metrics server runs on its own daemon thread. Bounds: at most
 ``max_inflight`` requests (past it the role's ``refuse`` answers at once), the abort memory
 holds ``ABORT_MEMORY`` transfer ids.
@@ -63,6 +64,7 @@ from kvpush.schemas.messages import (
     WorkerRole,
 )
 from kvpush.services.settings import ConfigError
+from kvpush.services.workers.cache_publisher import CachePublisher
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
 from kvpush.services.workers.handles import RequestHandle
@@ -70,6 +72,7 @@ from kvpush.services.workers.heartbeats import Heartbeats
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.peers import PeerWatch
 from kvpush.services.workers.registry import Registry
+from kvpush.services.workers.worker_metrics import IntegrityCollector
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,12 @@ class Worker:
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
         self._metrics: Any = None  # --metrics-port: prometheus_client's HTTP server
+        self._integrity: IntegrityCollector | None = None  # ... and a decode worker's KV checks
         self._inflight: dict[str, InFlight] = {}
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
         self._request_subs: list[Subscription] = []
         self._beats: Heartbeats | None = None  # from start()
+        self._cache: CachePublisher | None = None  # --kv-events on: from start()
         other = WorkerRole.PREFILL if self.role is WorkerRole.DECODE else WorkerRole.DECODE
         self.peers = PeerWatch(other, config.lease_s)
         self._draining = False
@@ -144,6 +149,8 @@ class Worker:
             self._metrics, _ = start_http_server(cfg.metrics_port, addr=cfg.side_channel_host)
             host, port = self._metrics.server_address[:2]
             log.info("engine metrics (vllm:*) at http://%s:%d/metrics", host, port)
+            if self.role is WorkerRole.DECODE:  # the link is the built engine's: read it late
+                self._integrity = IntegrityCollector(lambda: self.host.link.integrity_counts())
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
         self.side_channels = [info.side_channel for info in self.host.link.ranks]
         self.side_channel = self.side_channels[0] if self.side_channels else ""
@@ -163,6 +170,11 @@ class Worker:
         await self.bus.subscribe(subjects.abort(self.worker_id), self._on_abort)
         await self.peers.start(self.bus, self.registry_entries)
         await self.on_start()
+        if self.config.kv_events_endpoint:  # what the prefix cache holds, for the gateways
+            endpoint, blocks = self.config.kv_events_endpoint, self.host.total_blocks()
+            self._cache = await CachePublisher.open(
+                self.bus, self.role, self.worker_id, endpoint, blocks, lambda: self.epoch
+            )
         sub = await self.bus.subscribe(self.request_filter(), self._on_request)
         self._request_subs.append(sub)
         await self.bus.flush()
@@ -203,9 +215,13 @@ class Worker:
         log.info("drained (connector transfers pending: %d)", await asyncio.to_thread(pending))
 
     async def cleanup(self) -> None:
+        if self._cache is not None:
+            await self._cache.stop()
         await self.peers.stop()
         if self._beats is not None:  # bounded: NATS may be gone already
             await self._beats.stop(self.role, self.worker_id)
+        if self._integrity is not None:  # no scrape asks a stopping engine
+            self._integrity.close()
         await asyncio.to_thread(self.host.stop)
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -182,3 +182,13 @@ def test_api_md_parity_table_is_what_the_committed_run_generates() -> None:
     body = parity_report.body(run)
     doc = DOCS / "api.md"
     assert not docgen.update(doc, parity_report.NAME, body, parity_report.COMMAND, check=True)
+
+
+def test_routing_decision_md_is_what_the_committed_run_generates() -> None:
+    from kvpush.benchmarks import route
+
+    results = json.loads((DOCS / "benchmarks" / "routing" / "decision.json").read_text())
+    assert results["meta"]["prefixes"] >= 10_000 and len(results["cases"]) == 12
+    body = route.table(results)
+    doc = DOCS / "benchmarks" / "routing" / "decision.md"
+    assert not docgen.update(doc, route.SECTION, body, route.REPORT_COMMAND, check=True)

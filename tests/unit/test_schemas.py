@@ -16,6 +16,8 @@ from kvpush.schemas import (
     Abort,
     AbortAck,
     BlocksAnnounced,
+    CacheEvents,
+    CacheSync,
     FailReason,
     FinishReason,
     FirstToken,
@@ -138,6 +140,13 @@ SAMPLES: list[tuple[str, object]] = [
     ),
     (subjects.abort("d0"), Abort(transfer_id=TID, sender="gw0", reason="client left")),
     (subjects.abort("d0"), AbortAck(transfer_id=TID, prefill_id="p0")),
+    (
+        subjects.cache_events(WorkerRole.DECODE, "d0"),
+        CacheEvents(
+            worker_id="d0", epoch=1, seq=4, block_size=16, stored=[-(2**63), 2**63 - 1], removed=[3]
+        ),
+    ),
+    (subjects.cache_sync(), CacheSync(sender="gw0", workers=["d0", "p0"])),
     (
         subjects.heartbeat(WorkerRole.DECODE, "d0"),
         WorkerHeartbeat(

@@ -1,0 +1,291 @@
+"""kvpush bench route: what one routing decision costs the gateway (issue 32's target: 100 us or
+less at P50 with 10k cached prefixes and 16 workers).
+
+A ``Router`` in the routed policy over 16 workers (8 prefill, 8 decode: fake heartbeats with
+varied loads) and the gateway's real prefix index (``services/gateway/prefix_index.PrefixIndex``,
+fed ``CacheEvents`` as the workers send them) holding ``--prefixes`` cached prefixes (random
+prompts of 256-1024 tokens, spread over the 16 workers). The cost model is warmed with
+measurements first, so every decision scores every candidate (LOCAL on each D, push on each
+(P, D) pair) rather than the cold rule's few. For each prompt length and prefix-hit share (the
+share of the prompt's leading blocks one D and one P hold), ``route(token_ids)`` is timed
+``--repeats`` times, one call at a time (heartbeats re-sent, untimed, every
+``BEAT_EVERY`` calls so the loads stay put); so is the prefix look-up alone (its share of the
+decision) and the least-loaded policy (no look-up, no scoring) for comparison.
+
+``--out FILE`` writes the results as JSON; ``--report FILE [--doc DOC] [--check]`` prints (or
+writes into DOC's generated section) the table of a results file instead of running.
+
+Threading model: the caller's thread only (no loop: the router and index are synchronous).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from kvpush.benchmarks import docgen
+
+TARGET_US: Final = 100.0
+LENGTHS: Final = (1024, 2048, 4096, 8192)
+HIT_SHARES: Final = (0.0, 0.5, 0.9)
+WORKERS: Final = 8  # of each role
+BLOCK_SIZE: Final = 16  # vLLM's default on the GPU
+BEAT_EVERY: Final = 32
+VOCAB: Final = 150_000
+SECTION: Final = "route-decision"
+REPORT_COMMAND: Final = (
+    "kvpush bench route --report docs/benchmarks/routing/decision.json"
+    " --doc docs/benchmarks/routing/decision.md"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefixes", type=int, default=10_000, help="cached prefixes (10000)")
+    parser.add_argument("--repeats", type=int, default=2000, help="timed calls per case (2000)")
+    parser.add_argument("--seed", type=int, default=32, help="random prompts' seed (32)")
+    parser.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--report", metavar="FILE", help="run nothing: the table of FILE")
+    parser.add_argument("--doc", metavar="DOC", help="with --report: write it into DOC")
+    parser.add_argument("--check", action="store_true", help="with --report --doc: only compare")
+
+
+class Fleet:
+    """The registry, the index and the heartbeats of the 16 fake workers."""
+
+    def __init__(self, rng: random.Random) -> None:
+        from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
+        from kvpush.services.gateway.prefix_index import PrefixIndex
+        from kvpush.services.gateway.routing import WorkerRegistry
+
+        self.registry = WorkerRegistry(lease_s=3600.0)
+        self.index = PrefixIndex()
+        self.seq: dict[str, int] = {}
+        self.beats = [
+            WorkerHeartbeat(
+                worker_id=f"{role.value[0]}{i}",
+                role=role,
+                epoch=1,
+                model="bench",
+                side_channel="tcp://127.0.0.1:1",
+                in_flight=rng.randrange(0, 8),
+                queue_depth=rng.randrange(0, 3),
+                free_blocks=rng.randrange(10_000, 100_000),
+                total_blocks=200_000,
+                sent_at_ms=0,
+                sends_first_token=True,
+            )
+            for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
+            for i in range(WORKERS)
+        ]
+        self.beat()
+
+    @property
+    def ids(self) -> list[str]:
+        return [hb.worker_id for hb in self.beats]
+
+    def beat(self) -> None:
+        for hb in self.beats:
+            self.registry.observe(hb)
+            self.index.set_capacity(hb.worker_id, hb.total_blocks)
+
+    def store(self, worker_id: str, token_ids: Sequence[int]) -> None:
+        """``worker_id``'s prefix cache now holds ``token_ids``' whole blocks."""
+        from kvpush.schemas.messages import CacheEvents
+        from kvpush.schemas.prefix import block_hashes
+
+        seq = self.seq.get(worker_id, 0)
+        self.seq[worker_id] = seq + 1
+        stored = block_hashes(token_ids, BLOCK_SIZE)
+        self.index.apply(
+            CacheEvents(
+                worker_id=worker_id,
+                epoch=1,
+                seq=seq,
+                block_size=BLOCK_SIZE,
+                stored=stored,
+                cleared=seq == 0,  # the first message: a snapshot's start
+                snapshot=seq == 0,
+            )
+        )
+
+
+def warm(costs: Any) -> None:
+    """Measurements enough for the routed policy to compare modes (every candidate scored)."""
+    from kvpush.schemas.messages import KvPushed, Timing, TransferMode
+
+    ms = 1_000_000
+    timing = Timing(
+        prefill_received=2 * ms,
+        prefill_start=3 * ms,
+        prefill_end=53 * ms,
+        kv_sent=55 * ms,
+        kv_landed=56 * ms,
+        first_token=60 * ms,
+    )
+    for p in range(WORKERS):
+        costs.learn(TransferMode.PUSH, f"p{p}", f"d{p}", 2048, timing=timing, published_ns=ms)
+    pushed = KvPushed(
+        transfer_id="t",
+        prefill_id="p0",
+        decode_id="d0",
+        bytes=2048 * 131_072,
+        descriptors=1,
+        num_tokens=2048,
+        push_ms=30.0,
+        timing=timing,
+    )
+    costs.observe_push(pushed)
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def _timed(call: Callable[[], object], repeats: int, between: Callable[[], None]) -> list[float]:
+    """Microseconds of each of ``repeats`` calls (``between`` runs, untimed, every
+    ``BEAT_EVERY``)."""
+    gc.collect()
+    took: list[float] = []
+    for i in range(repeats):
+        if i % BEAT_EVERY == 0:
+            between()
+        start = time.perf_counter_ns()
+        call()
+        took.append((time.perf_counter_ns() - start) / 1000.0)
+    return took
+
+
+def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
+    from kvpush.schemas.messages import TransferMode
+    from kvpush.services.gateway.routing import Router, RoutingPolicy
+
+    rng = random.Random(seed)
+    fleet = Fleet(rng)
+    ids = fleet.ids
+    started = time.perf_counter()
+    for n in range(prefixes):
+        length = rng.randrange(256, 1025)
+        fleet.store(ids[n % len(ids)], [rng.randrange(VOCAB) for _ in range(length)])
+    built_s = time.perf_counter() - started
+    routed = Router(fleet.registry, TransferMode.PUSH, 256, prefix=fleet.index)
+    least = Router(fleet.registry, TransferMode.PUSH, 256, routing=RoutingPolicy.LEAST_LOADED)
+    warm(routed.costs)
+    cases = []
+    for length in LENGTHS:
+        for share in HIT_SHARES:
+            prompt = [rng.randrange(VOCAB) for _ in range(length)]
+            cached = int(length * share) // BLOCK_SIZE * BLOCK_SIZE
+            if cached:
+                for holder in ("d3", "p5"):
+                    fleet.store(holder, prompt[:cached])
+            found = fleet.index.matched_tokens(prompt, ids)
+            assert found.get("d3", 0) == cached, (found, cached)
+            route = routed.route(prompt)
+            assert route.explanation is not None
+            decide = _timed(lambda p=prompt: routed.route(p), repeats, fleet.beat)
+            lookup = _timed(
+                lambda p=prompt: fleet.index.matched_tokens(p, ids), repeats, lambda: None
+            )
+            plain = _timed(lambda n=length: least.route(n), repeats, fleet.beat)
+            cases.append(
+                {
+                    "prompt_tokens": length,
+                    "hit_share": share,
+                    "cached_tokens": cached,
+                    "p50_us": round(statistics.median(decide), 1),
+                    "p99_us": round(_percentile(decide, 0.99), 1),
+                    "lookup_p50_us": round(statistics.median(lookup), 1),
+                    "least_loaded_p50_us": round(statistics.median(plain), 1),
+                    "choice": route.explanation.choice.candidate.label,
+                    "reason": route.explanation.reason.value,
+                }
+            )
+            print(f"  {length} tokens, {share:.0%} hit: {cases[-1]}", flush=True)
+    return {
+        "meta": {
+            "stamp": docgen.stamp(),
+            "revision": docgen.revision(),
+            "index": "services/gateway/prefix_index.PrefixIndex",
+            "prefixes": prefixes,
+            "index_entries": len(fleet.index),
+            "index_build_s": round(built_s, 2),
+            "workers": {"prefill": WORKERS, "decode": WORKERS},
+            "block_size": BLOCK_SIZE,
+            "repeats": repeats,
+            "python": platform.python_version(),
+            "machine": _cpu(),
+        },
+        "target_us": TARGET_US,
+        "cases": cases,
+    }
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def table(results: dict[str, Any]) -> str:
+    target = results["target_us"]
+    rows = [
+        (
+            c["prompt_tokens"],
+            f"{c['hit_share']:.0%}",
+            f"{c['p50_us']:.1f}",
+            f"{c['p99_us']:.1f}",
+            f"{c['lookup_p50_us']:.1f}",
+            f"{c['least_loaded_p50_us']:.1f}",
+            c["choice"],
+            "met" if c["p50_us"] <= target else "missed",
+        )
+        for c in results["cases"]
+    ]
+    head = (
+        "prompt tokens",
+        "prefix hit",
+        "decision P50, us",
+        "P99, us",
+        "of it: prefix look-up P50, us",
+        "least-loaded P50, us",
+        "choice",
+        f"P50 <= {target:g} us",
+    )
+    meta = results["meta"]
+    note = (
+        f"Routed policy, {meta['workers']['prefill']} P + {meta['workers']['decode']} D,"
+        f" {meta['index']} holding {meta['prefixes']} cached prefixes"
+        f" ({meta['index_entries']} block entries, {meta['block_size']}-token blocks),"
+        f" warm cost model (every candidate scored); {meta['repeats']} timed calls per row on"
+        f" {meta['machine']} (Python {meta['python']}); run {meta['stamp']} at {meta['revision']}."
+        " The look-up hashes the prompt's blocks up to the first block no worker holds: it"
+        " grows with the matched prefix, the scoring does not."
+    )
+    return docgen.table(head, rows) + "\n\n" + note
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.report:
+        body = table(json.loads(Path(args.report).read_text()))
+        return docgen.publish(body, args.doc, SECTION, REPORT_COMMAND, args.check)
+    print(f"kvpush bench route: {args.prefixes} prefixes, {args.repeats} calls a case", flush=True)
+    results = run(args.prefixes, args.repeats, args.seed)
+    text = json.dumps(results, indent=2) + "\n"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(table(results))
+    return 0

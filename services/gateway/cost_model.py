@@ -1,0 +1,330 @@
+"""The gateway's cost model: an estimated time to first token for each way to serve a prompt.
+
+``CostModel`` learns from what the gateway already sees and nothing else:
+
+- per worker, EWMAs of its **prefill rate** (prompt tokens it computed / the time it took),
+  its **service time** (what one prefill costs it: the wait a request queued behind it pays)
+  and, for D, its **step time** (KV landed -> first token), from each finished request's
+  ``Timing`` (the last TokenChunk's, see ``services.telemetry.breakdown``): P's
+  ``prefill_start -> prefill_end`` for push and pull (tokens: the prompt less P's prefix hit
+  when the request was routed); D's ``decode_received -> first_token`` for LOCAL (tokens: the
+  prompt less the final chunk's ``num_cached_tokens``; D's queue wait is inside, so a loaded
+  D's rate reads low, which errs toward relieving it) and ``kv_landed -> first_token`` for
+  push and pull (step time);
+- the **KV transfer**: bytes/s and bytes per token from each ``KvPushed`` (``bytes / push_ms``,
+  ``bytes / num_tokens``), the share of a push that is not hidden behind P's compute (its
+  ``timing``: ``(kv_sent - prefill_end) / push_ms``), and for pull the READ of a finished
+  request (``prefill_end -> kv_sent``, D's prefix hit's tokens excluded);
+- the **hand-off**, fixed per disaggregated request: an EWMA of its bus and announce parts
+  (``published -> prefill_received`` plus ``kv_sent -> kv_landed``), and of LOCAL's bus hop
+  (``published -> decode_received``).
+
+Until measured, each value is its ``PRIOR_*`` constant; an unmeasured worker takes the fleet's
+EWMA (every sample of that kind) before the prior. ``warm`` says whether there are measurements
+enough to trust a comparison of modes (``WARM_SAMPLES`` prefill samples and a transfer sample);
+while cold, the router keeps the deployment's fixed rule for the mode (``--local-threshold``).
+
+Estimates (``estimate(candidate)``, milliseconds, with their terms)::
+
+    LOCAL on D      = local_overhead + wait(D) + compute(D, prompt - hit(D))
+    PUSH  P -> D    = handoff + wait(P) + compute(P, prompt - hit(P))
+                      + push_tail_share * transfer(prompt - hit(D)) + steps(D)
+    PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
+    wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + queue_depth + sent since)
+    steps(D)        = (1 + load(D)) * step_ms(D)
+    transfer(n)     = n * bytes_per_token / bytes_per_s
+
+D needs only the blocks it lacks: D's connector announces (push) or READs (pull) the prompt's
+tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``,
+``get_num_new_matched_tokens`` reports ``prompt - local hit`` as the external tokens and
+``update_state_after_alloc`` names only those blocks), so a prefix hit on D shrinks the
+transfer: that is prefix-partial push. P computes what its own prefix cache lacks. A LOCAL
+request waits behind D's load as prefills; a disaggregated one waits on P's, and on D only for
+steps (its KV is computed elsewhere): a busy D with an idle P favours a transfer.
+
+The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``), so the
+router finds the cheapest pair in O(P + D) rather than O(P * D).
+
+Threading model: the gateway's event loop only (learning and estimating); no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final, NamedTuple
+
+from kvpush.connector import BoundedDict
+from kvpush.schemas.messages import KvPushed, Timing, TransferMode
+
+PRIOR_PREFILL_TOKENS_PER_S: Final = 20_000.0
+"""Prompt tokens per second a worker prefills before any is measured (an 8B model on one H200
+prefills 8k tokens in ~0.2 s; a CPU box's tiny model is faster, so priors favour disaggregating
+long prompts there less than measurements will)."""
+PRIOR_SERVICE_MS: Final = 20.0
+"""What one queued request costs a worker before its first step is measured."""
+PRIOR_TRANSFER_BYTES_PER_S: Final = 10e9
+"""KV transfer rate before a push or pull is measured (NIXL over NVLink/RDMA: ~10 GB/s)."""
+PRIOR_BYTES_PER_TOKEN: Final = 131_072.0
+"""KV bytes per prompt token (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2)."""
+PRIOR_PUSH_TAIL_SHARE: Final = 0.25
+"""The share of a push's transfer time left after P's compute ends (layers push as they go)."""
+PRIOR_STEP_MS: Final = 5.0
+"""D's step from the KV landing to the first token, before it is measured."""
+PRIOR_HANDOFF_MS: Final = 2.0
+"""Bus hops and block announcement of a disaggregated request."""
+PRIOR_LOCAL_OVERHEAD_MS: Final = 0.5
+"""The bus hop of a LOCAL request to D."""
+EWMA_WEIGHT: Final = 0.2
+"""Weight of a new sample in every EWMA (about the last ten requests count)."""
+WARM_SAMPLES: Final = 3
+"""Prefill-rate samples needed (with one transfer sample) before modes are compared by cost."""
+MAX_WORKERS: Final = 4096
+"""Workers whose measurements are kept (the oldest measured are dropped past it)."""
+
+
+@dataclass(slots=True)
+class Ewma:
+    """An exponentially weighted mean; ``samples`` counts its updates (0: ``prior``)."""
+
+    prior: float
+    value: float = 0.0
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.value = self.prior
+
+    def update(self, sample: float) -> None:
+        self.value = (
+            sample if not self.samples else self.value + EWMA_WEIGHT * (sample - self.value)
+        )
+        self.samples += 1
+
+
+@dataclass(slots=True)
+class WorkerCosts:
+    """One worker's measurements."""
+
+    tokens_per_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_PREFILL_TOKENS_PER_S))
+    service_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_SERVICE_MS))
+    step_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))
+
+
+class Candidate(NamedTuple):
+    """One way to serve a prompt: a mode, its workers, and what the router knows of them."""
+
+    mode: TransferMode
+    decode_id: str
+    decode_load: int
+    decode_hit: int  # leading prompt tokens D's prefix cache holds
+    prompt_tokens: int
+    prefill_id: str | None = None  # None: LOCAL
+    prefill_load: int = 0
+    prefill_hit: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.prefill_id is None:
+            return f"{self.mode.value} {self.decode_id}"
+        return f"{self.mode.value} {self.prefill_id}>{self.decode_id}"
+
+
+class Estimate(NamedTuple):
+    """A candidate's estimated TTFT and the terms it adds up (ms; a runner-up's: none)."""
+
+    candidate: Candidate
+    total_ms: float
+    terms: Mapping[str, float] = MappingProxyType({})
+
+    def __str__(self) -> str:
+        return f"{self.candidate.label} {self.total_ms:.1f}ms"
+
+
+class WorkerView(NamedTuple):
+    """What the estimates use of one worker: its own measurements, else the fleet's."""
+
+    ms_per_token: float
+    service_ms: float
+    step_ms: float
+
+
+class CostModel:
+    """Learned costs and the estimates made of them; see the module docstring."""
+
+    def __init__(self, max_workers: int = MAX_WORKERS) -> None:
+        self.workers: BoundedDict[str, WorkerCosts] = BoundedDict(max_workers)
+        self.fleet = WorkerCosts()  # every worker's samples: the unmeasured workers' estimate
+        self.bytes_per_s = Ewma(PRIOR_TRANSFER_BYTES_PER_S)
+        self.bytes_per_token = Ewma(PRIOR_BYTES_PER_TOKEN)
+        self.push_tail_share = Ewma(PRIOR_PUSH_TAIL_SHARE)
+        self.handoff_ms = Ewma(PRIOR_HANDOFF_MS)
+        self.local_overhead_ms = Ewma(PRIOR_LOCAL_OVERHEAD_MS)
+        self._views: dict[str, WorkerView] = {}  # memo of ``view``: emptied by every sample
+
+    @property
+    def warm(self) -> bool:
+        """Measured enough to compare modes by cost (else the router's fixed rule decides)."""
+        return self.fleet.tokens_per_s.samples >= WARM_SAMPLES and self.bytes_per_s.samples > 0
+
+    # ---- estimates -------------------------------------------------------------------------
+    def view(self, worker_id: str) -> WorkerView:
+        """``worker_id``'s rates for the estimates (memoized until the next sample)."""
+        found = self._views.get(worker_id)
+        if found is not None:
+            return found
+        own, fleet = self.workers.get(worker_id), self.fleet
+        rate = own.tokens_per_s if own is not None and own.tokens_per_s.samples else None
+        service = own.service_ms if own is not None and own.service_ms.samples else None
+        step = own.step_ms if own is not None and own.step_ms.samples else None
+        found = WorkerView(
+            1000.0 / (rate or fleet.tokens_per_s).value,
+            (service or fleet.service_ms).value,
+            (step or fleet.step_ms).value,
+        )
+        if len(self._views) >= self.workers.limit:
+            self._views.clear()
+        self._views[worker_id] = found
+        return found
+
+    def compute_ms(self, worker_id: str, tokens: int) -> float:
+        return max(tokens, 0) * self.view(worker_id).ms_per_token
+
+    def wait_ms(self, worker_id: str, load: int) -> float:
+        return load * self.view(worker_id).service_ms
+
+    def steps_ms(self, decode_id: str, load: int) -> float:
+        return (1 + load) * self.view(decode_id).step_ms
+
+    def transfer_ms(self, tokens: int) -> float:
+        return max(tokens, 0) * self.bytes_per_token.value * 1000.0 / self.bytes_per_s.value
+
+    def _tail_share(self, mode: TransferMode) -> float:
+        return self.push_tail_share.value if mode is TransferMode.PUSH else 1.0
+
+    def prefill_parts(
+        self, prompt_tokens: int, ids: Sequence[str], loads: Sequence[int], hits: Sequence[int]
+    ) -> list[float]:
+        """Each P's share of a push/pull estimate: its wait and its compute."""
+        parts = []
+        for worker_id, load, hit in zip(ids, loads, hits, strict=True):
+            w = self.view(worker_id)
+            parts.append(load * w.service_ms + max(prompt_tokens - hit, 0) * w.ms_per_token)
+        return parts
+
+    def decode_parts(
+        self,
+        mode: TransferMode,
+        prompt_tokens: int,
+        ids: Sequence[str],
+        loads: Sequence[int],
+        hits: Sequence[int],
+    ) -> list[float]:
+        """Each D's share of an estimate: LOCAL's whole estimate; for push/pull, the hand-off,
+        the transfer's tail of what D lacks, and D's steps."""
+        parts = []
+        if mode is TransferMode.LOCAL:
+            base = self.local_overhead_ms.value
+            for worker_id, load, hit in zip(ids, loads, hits, strict=True):
+                w = self.view(worker_id)
+                compute = max(prompt_tokens - hit, 0) * w.ms_per_token
+                parts.append(base + load * w.service_ms + compute)
+            return parts
+        base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
+        for worker_id, load, hit in zip(ids, loads, hits, strict=True):
+            step_ms = self.view(worker_id).step_ms
+            parts.append(base + max(prompt_tokens - hit, 0) * tail_per_token + (1 + load) * step_ms)
+        return parts
+
+    def estimate(self, c: Candidate) -> Estimate:
+        """``c``'s estimated TTFT (ms) and its terms; see the module docstring."""
+        terms: dict[str, float] = {}
+        if c.prefill_id is None or c.mode is TransferMode.LOCAL:
+            terms["overhead"] = self.local_overhead_ms.value
+            terms["wait_d"] = self.wait_ms(c.decode_id, c.decode_load)
+            terms["compute_d"] = self.compute_ms(c.decode_id, c.prompt_tokens - c.decode_hit)
+        else:
+            terms["handoff"] = self.handoff_ms.value
+            terms["wait_p"] = self.wait_ms(c.prefill_id, c.prefill_load)
+            terms["compute_p"] = self.compute_ms(c.prefill_id, c.prompt_tokens - c.prefill_hit)
+            moved = c.prompt_tokens - c.decode_hit
+            terms["transfer"] = self._tail_share(c.mode) * self.transfer_ms(moved)
+            terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_load)
+        return Estimate(c, sum(terms.values()), terms)
+
+    # ---- learning --------------------------------------------------------------------------
+    def _worker(self, worker_id: str) -> WorkerCosts:
+        self._views.clear()  # a sample of it (or the fleet's) comes
+        costs = self.workers.get(worker_id)
+        if costs is None:
+            costs = self.workers[worker_id] = WorkerCosts()
+        return costs
+
+    def _prefilled(self, worker_id: str, tokens: int, start_ns: int, end_ns: int) -> None:
+        """``worker_id`` computed ``tokens`` prompt tokens between the two instants."""
+        if not start_ns or end_ns <= start_ns:
+            return
+        ms = (end_ns - start_ns) / 1e6
+        own = self._worker(worker_id)
+        for costs in (own, self.fleet):
+            costs.service_ms.update(ms)
+            if tokens > 0:
+                costs.tokens_per_s.update(tokens * 1000.0 / ms)
+
+    def _stepped(self, worker_id: str, start_ns: int, end_ns: int) -> None:
+        """D's first step after the KV landed took ``start_ns -> end_ns``."""
+        if start_ns and end_ns > start_ns:
+            ms = (end_ns - start_ns) / 1e6
+            self._worker(worker_id).step_ms.update(ms)
+            self.fleet.step_ms.update(ms)
+
+    def learn(
+        self,
+        mode: TransferMode,
+        prefill_id: str | None,
+        decode_id: str,
+        prompt_tokens: int,
+        *,
+        prefill_hit: int = 0,
+        decode_hit: int = 0,
+        cached_tokens: int | None = None,
+        timing: Timing | None,
+        published_ns: int = 0,
+    ) -> None:
+        """A request finished: learn from its ``timing`` (the last TokenChunk's). ``cached_tokens``
+        is that chunk's ``num_cached_tokens``; the hits are what the index said at routing."""
+        if timing is None:
+            return
+        t = timing
+        if mode is TransferMode.LOCAL or prefill_id is None:
+            computed = prompt_tokens - (cached_tokens or 0)
+            self._prefilled(decode_id, computed, t.decode_received, t.first_token)
+            if published_ns and t.decode_received > published_ns:
+                self.local_overhead_ms.update((t.decode_received - published_ns) / 1e6)
+            return
+        self._prefilled(prefill_id, prompt_tokens - prefill_hit, t.prefill_start, t.prefill_end)
+        self._stepped(decode_id, t.kv_landed, t.first_token)
+        hops = ((published_ns, t.prefill_received), (t.kv_sent, t.kv_landed))
+        if all(a and b >= a for a, b in hops):
+            self.handoff_ms.update(sum(b - a for a, b in hops) / 1e6)
+        moved = prompt_tokens - decode_hit
+        if mode is TransferMode.PULL and moved > 0 and t.prefill_end and t.kv_sent > t.prefill_end:
+            seconds = (t.kv_sent - t.prefill_end) / 1e9
+            self.bytes_per_s.update(moved * self.bytes_per_token.value / seconds)
+
+    def observe_push(self, pushed: KvPushed) -> None:
+        """A push finished (``KvPushed``): transfer rate, bytes per token, the tail's share."""
+        if pushed.bytes <= 0 or pushed.push_ms <= 0:
+            return
+        self.bytes_per_s.update(pushed.bytes * 1000.0 / pushed.push_ms)
+        if pushed.num_tokens > 0:
+            self.bytes_per_token.update(pushed.bytes / pushed.num_tokens)
+        t = pushed.timing
+        if t is not None and t.prefill_end and t.kv_sent >= t.prefill_end:
+            tail_ms = (t.kv_sent - t.prefill_end) / 1e6
+            self.push_tail_share.update(min(1.0, tail_ms / pushed.push_ms))
+
+    async def on_kv_event(self, subject: str, message: object) -> None:
+        """Bus handler for ``kvpush.v1.kv.*.*``: learns from every ``KvPushed``."""
+        if isinstance(message, KvPushed):
+            self.observe_push(message)

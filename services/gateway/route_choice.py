@@ -1,0 +1,171 @@
+"""The routed policy's choice: the cheapest candidate by ``CostModel``, and why.
+
+``choose`` scores every candidate the router allows for one prompt: LOCAL on each live D and,
+for the disaggregated mode allowed (the deployment's push or pull, or the client's override),
+every (P, D) pair. An estimate is a P part plus a D part (``CostModel.prefill_parts`` and
+``decode_parts``), so the cheapest pair is the cheapest P with the cheapest D: O(P + D) parts,
+then full estimates (with their terms) only for the choice and its ``ALTERNATIVES`` runners-up.
+Equal costs go to the least-loaded worker, as the least-loaded policy orders them
+(``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work).
+
+``RouteExplanation`` is what the trace and metrics show: the reason the candidates were what
+they were (``RouteReason``), the chosen estimate, the runners-up, the prefix tokens matched on
+the chosen P and D, and the decision's own cost.
+
+Threading model: pure functions of their arguments, on the gateway's loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Generic, Protocol, TypeVar
+
+from kvpush.schemas.messages import TransferMode, WorkerHeartbeat
+from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate
+
+ALTERNATIVES: Final = 3
+"""Runners-up kept in a route's explanation."""
+
+
+class RouteReason(str, enum.Enum):
+    """Why a route's candidates were the ones scored (the metric's ``reason`` label)."""
+
+    OVERRIDE = "override"  # the request's kvpush_mode (or prompt_logprobs, a migration) chose
+    COLD = "cold"  # the cost model lacks measurements: the fixed --local-threshold rule chose
+    COST = "cost"  # LOCAL and the deployment's mode compared by estimated TTFT
+    ONLY_LOCAL = "only-local"  # no prefill worker alive: D computes the prompt
+    LEAST_LOADED = "least-loaded"  # the least-loaded policy (--routing least-loaded)
+
+
+class LiveWorker(Protocol):
+    """What the choice reads of a live worker (``routing.WorkerState``)."""
+
+    @property
+    def heartbeat(self) -> WorkerHeartbeat: ...
+    @property
+    def load(self) -> int: ...
+    @property
+    def last_pick(self) -> float: ...
+
+
+W = TypeVar("W", bound=LiveWorker)
+
+
+def decode_order(state: LiveWorker) -> tuple[int, int, float]:
+    """Least-loaded order of decode workers: load, then more free blocks, then least recent."""
+    return (state.load, -state.heartbeat.free_blocks, state.last_pick)
+
+
+def prefill_order(state: LiveWorker) -> tuple[int, float]:
+    """Least-loaded order of prefill workers: load, then least recently picked."""
+    return (state.load, state.last_pick)
+
+
+@dataclass(frozen=True)
+class RouteExplanation:
+    """Why a routed request went where it went."""
+
+    reason: RouteReason
+    choice: Estimate
+    alternatives: tuple[Estimate, ...]
+    decision_us: float  # the router's own time for this decision
+
+    @property
+    def prefill_prefix_tokens(self) -> int:
+        return self.choice.candidate.prefill_hit
+
+    @property
+    def decode_prefix_tokens(self) -> int:
+        return self.choice.candidate.decode_hit
+
+    def span_attributes(self) -> dict[str, str | float | list[int]]:
+        """The decision as attributes of the request's span."""
+        return {
+            "kvpush.route.choice": self.choice.candidate.label,
+            "kvpush.route.reason": self.reason.value,
+            "kvpush.route.estimate_ms": round(self.choice.total_ms, 3),
+            "kvpush.route.candidates": self.candidates_text(),
+            "kvpush.route.prefix_tokens": [self.prefill_prefix_tokens, self.decode_prefix_tokens],
+        }
+
+    def candidates_text(self) -> str:
+        """The choice and the runners-up, cheapest first: ``push p0>d1 12.3ms; local d1 ...``."""
+        return "; ".join(str(e) for e in (self.choice, *self.alternatives))
+
+
+@dataclass(frozen=True)
+class Choice(Generic[W]):
+    decode: W
+    prefill: W | None  # None: LOCAL
+    choice: Estimate
+    alternatives: tuple[Estimate, ...]
+
+
+def choose(
+    model: CostModel,
+    prompt_tokens: int,
+    hits: Mapping[str, int],
+    decodes: Sequence[W],
+    prefills: Sequence[W],
+    modes: Sequence[TransferMode],
+) -> Choice[W]:
+    """The cheapest candidate of ``modes`` over the given live workers (``decodes`` non-empty;
+    ``prefills`` non-empty when a mode other than LOCAL is allowed)."""
+    most = prompt_tokens - 1  # vLLM computes the prompt's last token whatever its cache holds
+    d_ids = [d.heartbeat.worker_id for d in decodes]
+    d_loads = [d.load for d in decodes]
+    d_hits = [max(0, min(hits.get(w, 0), most)) for w in d_ids]
+    d_keys = [
+        (n, -d.heartbeat.free_blocks, d.last_pick) for n, d in zip(d_loads, decodes, strict=True)
+    ]
+    p_ids: list[str] = []
+    p_loads: list[int] = []
+    p_hits: list[int] = []
+    p_ranked: list[tuple[float, tuple[int, float], int]] = []
+    # (estimate, mode rank, tie-break, P index or -1, D index): the cheapest is the smallest
+    ranked: list[tuple[float, int, tuple[object, ...], int, int]] = []
+    for mode in modes:
+        parts = model.decode_parts(mode, prompt_tokens, d_ids, d_loads, d_hits)
+        d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
+        if mode is TransferMode.LOCAL:
+            ranked += [(cost, 0, key, -1, i) for cost, key, i in d_ranked]
+            continue
+        if not p_ranked:
+            p_ids = [p.heartbeat.worker_id for p in prefills]
+            p_loads = [p.load for p in prefills]
+            p_hits = [max(0, min(hits.get(w, 0), most)) for w in p_ids]
+            p_parts = model.prefill_parts(prompt_tokens, p_ids, p_loads, p_hits)
+            p_keys = [(n, p.last_pick) for n, p in zip(p_loads, prefills, strict=True)]
+            p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
+                : ALTERNATIVES + 1
+            ]
+        rank = 1 if mode is TransferMode.PUSH else 2
+        for p_cost, p_key, j in p_ranked:
+            for d_cost, d_key, i in d_ranked:
+                ranked.append((p_cost + d_cost, rank, (d_key, p_key), j, i))
+    ranked.sort()
+    estimates: list[Estimate] = []
+    for cost, rank, _, j, i in ranked[: ALTERNATIVES + 1]:
+        if j < 0:
+            candidate = Candidate(
+                TransferMode.LOCAL, d_ids[i], d_loads[i], d_hits[i], prompt_tokens
+            )
+        else:
+            mode = TransferMode.PUSH if rank == 1 else TransferMode.PULL
+            candidate = Candidate(
+                mode,
+                d_ids[i],
+                d_loads[i],
+                d_hits[i],
+                prompt_tokens,
+                p_ids[j],
+                p_loads[j],
+                p_hits[j],
+            )
+        # the choice with its terms; the runners-up with their totals only
+        estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))
+    _, _, _, best_p, best_d = ranked[0]
+    prefill = prefills[best_p] if best_p >= 0 else None
+    return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]))

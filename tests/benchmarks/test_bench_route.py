@@ -1,0 +1,20 @@
+"""``kvpush bench route``: a small run measures every case of its table."""
+
+from __future__ import annotations
+
+from kvpush.benchmarks import route
+
+
+def test_a_small_run_measures_every_case_with_its_prefix_hit() -> None:
+    results = route.run(prefixes=64, repeats=5, seed=1)
+    cases = results["cases"]
+    assert [(c["prompt_tokens"], c["hit_share"]) for c in cases] == [
+        (n, s) for n in route.LENGTHS for s in route.HIT_SHARES
+    ]
+    for case in cases:
+        expected = int(case["prompt_tokens"] * case["hit_share"]) // route.BLOCK_SIZE
+        assert case["cached_tokens"] == expected * route.BLOCK_SIZE
+        assert case["reason"] == "cost" and case["p50_us"] > 0 and case["lookup_p50_us"] > 0
+        assert case["choice"].split()[0] in ("local", "push")  # a push deployment
+    assert results["meta"]["index_entries"] > 0
+    assert "| 8192 | 90% |" in route.table(results)

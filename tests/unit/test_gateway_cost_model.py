@@ -1,0 +1,279 @@
+"""The gateway's cost model (priors, learning) and the routed policy's choice over it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from kvpush.schemas.messages import KvPushed, Timing, TransferMode, WorkerRole
+from kvpush.services.gateway import cost_model
+from kvpush.services.gateway.cost_model import Candidate, CostModel
+from kvpush.services.gateway.route_choice import RouteReason
+from kvpush.services.gateway.routing import Router, RoutingPolicy, WorkerRegistry
+from tests.unit.beats import Clock, beat
+
+P, D = WorkerRole.PREFILL, WorkerRole.DECODE
+LOCAL, PUSH, PULL = TransferMode.LOCAL, TransferMode.PUSH, TransferMode.PULL
+MS = 1_000_000  # ns
+
+
+class FakePrefix:
+    """A PrefixLookup whose answers the test sets: worker id -> matched tokens."""
+
+    def __init__(self, hits: dict[str, int], block_size: int = 16) -> None:
+        self.block_size = block_size
+        self.hits = hits
+        self.asked: list[list[str]] = []
+
+    def matched_tokens(self, token_ids: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
+        listed = list(workers)
+        self.asked.append(listed)
+        return {w: min(self.hits[w], len(token_ids)) for w in listed if w in self.hits}
+
+
+def local_timing(start_ms: int, took_ms: int) -> Timing:
+    return Timing(decode_received=start_ms * MS, first_token=(start_ms + took_ms) * MS)
+
+
+def push_timing(compute_ms: int, tail_ms: int = 1) -> Timing:
+    """P computes from 10 ms for ``compute_ms``; the KV lands 1 ms after it is sent."""
+    end = 10 + compute_ms
+    return Timing(
+        prefill_received=2 * MS,
+        prefill_start=10 * MS,
+        prefill_end=end * MS,
+        kv_sent=(end + tail_ms) * MS,
+        kv_landed=(end + tail_ms + 1) * MS,
+        first_token=(end + tail_ms + 2) * MS,
+    )
+
+
+def pushed(bytes_: int, push_ms: float, tokens: int, timing: Timing | None = None) -> KvPushed:
+    return KvPushed(
+        transfer_id="t",
+        prefill_id="p0",
+        decode_id="d0",
+        bytes=bytes_,
+        descriptors=1,
+        num_tokens=tokens,
+        push_ms=push_ms,
+        timing=timing,
+    )
+
+
+def warm_up(model: CostModel, tokens_per_ms: int = 10) -> None:
+    """Enough measurements for the model to compare modes: 100-token prefills on p0 and a push
+    of 1 MB per token at 1 GB/s."""
+    for _ in range(cost_model.WARM_SAMPLES):
+        model.learn(PUSH, "p0", "d0", 1000, timing=push_timing(1000 // tokens_per_ms))
+    model.observe_push(pushed(1000 * 1_000_000, 1000.0, 1000))
+
+
+def test_estimates_use_the_priors_before_any_measurement() -> None:
+    model = CostModel()
+    assert not model.warm
+    local = model.estimate(Candidate(LOCAL, "d0", 2, 0, 4000))
+    compute = 4000 * 1000.0 / cost_model.PRIOR_PREFILL_TOKENS_PER_S
+    assert local.terms == {
+        "overhead": cost_model.PRIOR_LOCAL_OVERHEAD_MS,
+        "wait_d": 2 * cost_model.PRIOR_SERVICE_MS,
+        "compute_d": compute,
+    }
+    assert local.total_ms == pytest.approx(sum(local.terms.values()))
+    push = model.estimate(Candidate(PUSH, "d0", 0, 1000, 4000, "p0", 0, 0))
+    transfer = (
+        3000 * cost_model.PRIOR_BYTES_PER_TOKEN * 1000 / cost_model.PRIOR_TRANSFER_BYTES_PER_S
+    )
+    assert push.terms["transfer"] == pytest.approx(cost_model.PRIOR_PUSH_TAIL_SHARE * transfer)
+    pull = model.estimate(Candidate(PULL, "d0", 0, 1000, 4000, "p0", 0, 0))
+    assert pull.terms["transfer"] == pytest.approx(transfer)  # D reads it all after P's prefill
+    assert push.terms["handoff"] == cost_model.PRIOR_HANDOFF_MS
+
+
+def test_estimates_move_with_measurements() -> None:
+    model = CostModel()
+    before = model.estimate(Candidate(LOCAL, "d0", 0, 0, 1000)).total_ms
+    model.learn(LOCAL, None, "d0", 1000, cached_tokens=0, timing=local_timing(1, 500))
+    slow = model.estimate(Candidate(LOCAL, "d0", 0, 0, 1000))
+    assert slow.terms["compute_d"] == pytest.approx(500.0) and slow.total_ms > before
+    # a prefix hit the final chunk reports: only the computed tokens count for the rate
+    model.learn(LOCAL, None, "d1", 1000, cached_tokens=900, timing=local_timing(1, 10))
+    assert model.compute_ms("d1", 1000) == pytest.approx(100.0)
+    # an unmeasured worker takes the fleet's mean, not the prior
+    fleet = model.compute_ms("d9", 1000)
+    assert fleet != pytest.approx(1000 * 1000.0 / cost_model.PRIOR_PREFILL_TOKENS_PER_S)
+    # the wait term is load times the worker's measured first-step time
+    assert model.wait_ms("d0", 3) == pytest.approx(3 * 500.0)
+
+
+def test_pushes_teach_the_transfer_and_finished_pushes_the_rate_and_handoff() -> None:
+    model = CostModel()
+    prefill = Timing(prefill_end=100 * MS, kv_sent=150 * MS)
+    model.observe_push(pushed(2_000_000, 100.0, 1000, prefill))  # 20 MB/s, 2 kB/token
+    assert model.bytes_per_s.value == pytest.approx(20e6)
+    assert model.bytes_per_token.value == pytest.approx(2000.0)
+    assert model.push_tail_share.value == pytest.approx(0.5)
+    assert model.transfer_ms(1000) == pytest.approx(100.0)
+    assert not model.warm
+    for _ in range(cost_model.WARM_SAMPLES):
+        model.learn(
+            PUSH, "p0", "d0", 1100, prefill_hit=100, timing=push_timing(50), published_ns=MS
+        )
+    assert model.warm
+    assert model.compute_ms("p0", 1000) == pytest.approx(50.0)  # 1000 computed in 50 ms
+    # hand-off: bus to P (1 ms) + kv_sent -> kv_landed (1 ms); D's first step apart
+    assert model.handoff_ms.value == pytest.approx(2.0)
+    assert model.steps_ms("d0", 2) == pytest.approx(3 * 1.0)
+    # a pull teaches the transfer rate from D's READ (prefill_end -> kv_sent) of what D lacked
+    model.learn(PULL, "p0", "d0", 1500, decode_hit=500, timing=push_timing(50, tail_ms=10))
+    expected = 20e6 + cost_model.EWMA_WEIGHT * (200e6 - 20e6)  # 1000 x 2 kB in 10 ms
+    assert model.bytes_per_s.value == pytest.approx(expected)
+
+
+def test_a_request_without_timing_teaches_nothing() -> None:
+    model = CostModel()
+    model.learn(PUSH, "p0", "d0", 100, timing=None)
+    model.learn(LOCAL, None, "d0", 100, timing=Timing())
+    assert not model.workers and model.fleet.tokens_per_s.samples == 0
+
+
+@pytest.fixture
+def registry() -> WorkerRegistry:
+    registry = WorkerRegistry(lease_s=3.0, clock=Clock())
+    for name in ("p0", "p1"):
+        registry.observe(beat(P, name, sends_first_token=True))
+    for name in ("d0", "d1", "d2"):
+        registry.observe(beat(D, name))
+    return registry
+
+
+def routed(
+    registry: WorkerRegistry, hits: dict[str, int] | None = None, **kwargs: object
+) -> Router:
+    prefix = FakePrefix(hits or {})
+    return Router(registry, kwargs.pop("mode", PUSH), 256, prefix=prefix, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_prefix_hit_on_one_decode_worker_wins(registry: WorkerRegistry) -> None:
+    router = routed(registry, {"d2": 4096})
+    route = router.route(list(range(4100)))
+    assert route.decode_id == "d2"
+    explained = route.explanation
+    assert explained is not None and explained.reason is RouteReason.COLD  # the rule: PUSH
+    assert route.mode is PUSH and explained.decode_prefix_tokens == 4096
+    warm_up(router.costs)
+    route = router.route(list(range(4100)))
+    assert route.decode_id == "d2" and route.mode is LOCAL  # D has it: 4 tokens to compute
+    assert route.explanation is not None and route.explanation.reason is RouteReason.COST
+    assert route.explanation.decode_prefix_tokens == 4096
+    assert route.explanation.alternatives  # the runners-up, dearer than the choice
+    assert all(
+        a.total_ms >= route.explanation.choice.total_ms for a in route.explanation.alternatives
+    )
+
+
+def test_a_long_prompt_with_an_idle_prefill_worker_goes_push(registry: WorkerRegistry) -> None:
+    router = routed(registry)
+    warm_up(router.costs, tokens_per_ms=10)
+    router.costs.learn(LOCAL, None, "d0", 1000, timing=local_timing(1, 100))  # D as fast as P
+    router.costs.observe_push(pushed(1000 * 1000, 1000.0, 1000))  # 1 kB/token at 1 MB/s...
+    for _ in range(20):
+        router.costs.observe_push(pushed(1000 * 1000, 1.0, 1000))  # ... then 1 GB/s
+    for name in ("d0", "d1", "d2"):
+        registry.observe(beat(D, name, in_flight=1))  # D busy decoding: P's compute is off it
+    route = router.route(list(range(8000)))
+    assert route.mode is PUSH and route.prefill_id in ("p0", "p1") and route.prefill_epoch == 1
+    assert route.explanation is not None and route.explanation.reason is RouteReason.COST
+    assert route.explanation.choice.candidate.label.startswith("push ")
+    assert route.prefill_sends_first_token
+
+
+def test_a_short_prompt_goes_local_and_a_pull_deployment_offers_pull(
+    registry: WorkerRegistry,
+) -> None:
+    router = routed(registry, mode=PULL)
+    warm_up(router.costs)
+    route = router.route(list(range(300)))  # above --local-threshold: the cold rule said pull
+    assert route.mode is LOCAL and route.prefill_epoch is None
+    labels = [e.candidate.label for e in route.explanation.alternatives]  # type: ignore[union-attr]
+    assert any(label.startswith("pull ") for label in labels)
+    assert not any(label.startswith("push ") for label in labels)
+
+
+def test_the_override_wins_and_prefill_is_asked_only_when_a_transfer_may_be_chosen(
+    registry: WorkerRegistry,
+) -> None:
+    router = routed(registry, {"d1": 4096})
+    warm_up(router.costs)
+    route = router.route(list(range(4100)), PUSH)
+    assert route.mode is PUSH and route.explanation is not None
+    assert route.explanation.reason is RouteReason.OVERRIDE
+    assert route.decode_id == "d1"  # less to push to d1
+    prefix = router.prefix
+    assert isinstance(prefix, FakePrefix) and {"p0", "p1"} <= set(prefix.asked[-1])
+    route = router.route(list(range(10)), LOCAL)
+    assert route.mode is LOCAL and set(prefix.asked[-1]) == {"d0", "d1", "d2"}
+
+
+def test_loads_tie_break_as_least_loaded_and_sent_requests_count(
+    registry: WorkerRegistry,
+) -> None:
+    router = routed(registry)
+    registry.observe(beat(D, "d0", in_flight=2))
+    registry.observe(beat(D, "d1", free_blocks=10))
+    picks = [router.route(list(range(300))).decode_id for _ in range(3)]
+    assert picks == ["d2", "d1", "d2"]  # d2 has more free blocks; then what was sent counts
+
+
+def test_no_prefill_worker_means_only_local(registry: WorkerRegistry) -> None:
+    registry = WorkerRegistry(lease_s=3.0, clock=Clock())
+    registry.observe(beat(D, "d0"))
+    route = routed(registry).route(list(range(1000)))
+    assert route.mode is LOCAL and route.prefill_id == "_"
+    assert route.explanation is not None and route.explanation.reason is RouteReason.ONLY_LOCAL
+
+
+def test_least_loaded_policy_is_todays_rule_whatever_the_costs(registry: WorkerRegistry) -> None:
+    router = routed(registry, {"d2": 4096}, routing=RoutingPolicy.LEAST_LOADED)
+    warm_up(router.costs)
+    route = router.route(list(range(4100)))
+    assert route.mode is PUSH and route.decode_id == "d0" and route.explanation is None
+    assert router.route(list(range(255))).mode is LOCAL  # below --local-threshold
+    assert router.route(300, LOCAL).mode is LOCAL
+    assert not router.prefix.asked  # type: ignore[union-attr]
+
+
+def test_the_router_learns_from_a_finished_route(registry: WorkerRegistry) -> None:
+    router = routed(registry, {"p0": 512, "p1": 512})
+    route = router.route(list(range(1024)))
+    assert route.mode is PUSH and route.explanation is not None
+    assert route.explanation.prefill_prefix_tokens == 512
+    router.learn(route, 1024, None, push_timing(51))
+    assert router.costs.compute_ms(route.prefill_id, 512) == pytest.approx(51.0)
+
+
+def test_a_zero_local_threshold_still_means_never_local_unasked(registry: WorkerRegistry) -> None:
+    prefix = FakePrefix({"d2": 4096})
+    router = Router(registry, PUSH, 0, prefix=prefix)
+    warm_up(router.costs)
+    route = router.route(list(range(4100)))  # LOCAL on d2 would be cheapest: not a candidate
+    assert route.mode is PUSH and route.decode_id == "d2"
+    assert route.explanation is not None and route.explanation.reason is RouteReason.COST
+    assert all(not e.candidate.label.startswith("local") for e in route.explanation.alternatives)
+    assert router.route(list(range(4100)), LOCAL).mode is LOCAL
+
+
+def test_routing_flag_defaults_to_routed_and_reads_the_environment() -> None:
+    import argparse
+
+    from kvpush.services.gateway import GatewayConfig, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert GatewayConfig.from_args(args, {}).routing is RoutingPolicy.ROUTED
+    env = {"KVPUSH_ROUTING": "least-loaded"}
+    assert GatewayConfig.from_args(args, env).routing is RoutingPolicy.LEAST_LOADED
+    flagged = parser.parse_args(["--model", "m", "--routing", "least-loaded"])
+    assert GatewayConfig.from_args(flagged, {}).routing is RoutingPolicy.LEAST_LOADED

@@ -1,0 +1,74 @@
+"""The chained prefix hash both workers and the gateway compute (schemas/prefix.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from hashlib import blake2b
+
+import pytest
+
+from kvpush.schemas.prefix import ROOT, BlockHasher, block_hashes, iter_block_hashes
+
+
+def test_known_values_are_stable() -> None:
+    # a change of these is a protocol change: gateways and workers must agree
+    assert block_hashes(list(range(8)), 4) == [8478421404671736894, -3923177934902147788]
+    assert block_hashes([0, 0, 0], 2) == [-8212795707230426920]
+
+
+def test_the_hash_is_blake2b_of_the_parent_and_the_block_little_endian() -> None:
+    tokens = [1, 70000, 3]
+    data = ROOT.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)
+    expected = int.from_bytes(blake2b(data, digest_size=8).digest(), "little", signed=True)
+    assert block_hashes(tokens, 3) == [expected]
+
+
+def test_each_hash_chains_on_its_parent() -> None:
+    tokens = list(range(100, 112))
+    first, second, third = block_hashes(tokens, 4)
+    assert block_hashes(tokens[4:], 4, parent=first) == [second, third]
+    assert block_hashes(tokens[8:], 4, parent=second) == [third]
+    # the same block after another prefix is another prefix: another hash
+    assert block_hashes(tokens[4:8], 4) != [second]
+
+
+def test_the_partial_last_block_has_no_hash() -> None:
+    assert block_hashes(list(range(11)), 4) == block_hashes(list(range(8)), 4)
+    assert block_hashes([1, 2, 3], 4) == []
+    assert block_hashes([], 4) == []
+
+
+def test_the_incremental_form_gives_the_same_hashes() -> None:
+    tokens = list(range(50, 62))
+    hasher = BlockHasher(4)
+    assert [hasher.feed(tokens[i : i + 4]) for i in range(0, 12, 4)] == block_hashes(tokens, 4)
+    assert hasher.last == block_hashes(tokens, 4)[-1]
+    with pytest.raises(ValueError):
+        hasher.feed([1, 2])
+
+
+def test_the_walk_is_lazy() -> None:
+    walk = iter_block_hashes(list(range(4000)), 16)
+    assert next(walk) == block_hashes(list(range(16)), 16)[0]
+
+
+def test_a_bad_block_size_is_refused() -> None:
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0)
+
+
+def test_another_process_computes_the_same_hashes() -> None:
+    code = "from kvpush.schemas.prefix import block_hashes as h; print(h(list(range(64)), 16))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == str(block_hashes(list(range(64)), 16))
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 16 * 127, 16 * 300 + 5])
+def test_long_prompts_hash_as_block_by_block(length: int) -> None:
+    tokens = [(7 * i) % 50_000 for i in range(length)]
+    hasher = BlockHasher(16)
+    expected = [hasher.feed(tokens[i : i + 16]) for i in range(0, length - 15, 16)]
+    assert block_hashes(tokens, 16) == expected
