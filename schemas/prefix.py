@@ -1,73 +1,97 @@
 """The one chained block hash of prompt prefixes, shared by workers and the gateway.
 
-A prompt's KV is cached by vLLM in whole blocks of ``block_size`` tokens; block ``i`` is named
-by ``h_i = blake2b-64(h_{i-1} as 8 bytes little-endian || tokens of block i as little-endian
-uint32)``, read as a signed little-endian int64 (JSON and msgspec carry it as is), with
-``h_{-1} = ROOT``. A hash so names the whole prefix up to the end of its block,
-not the block alone, and is the same in every process and on every machine (Python's ``hash()``
-is salted per process and is never used). A partial last block has no hash: vLLM caches whole
+A prompt's KV is cached by vLLM in whole blocks of ``block_size`` tokens; the prefix that ends
+with block ``i`` is named by a polynomial hash over every token of the prefix, modulo 2**64:
+``H(prefix + token) = H(prefix) * BASE + (token + 1)``, starting at ``H() = ROOT`` (or at a
+given parent's hash), read as a signed int64 (JSON and msgspec carry it as is). A hash so names
+the whole prefix up to the end of its block, not the block alone, chains on its parent (the
+hash of the prefix before the block: ``H(parent + block) = H(parent) * BASE**len(block) +
+poly(block)``), and is the same in every process and on every machine (Python's ``hash()`` is
+salted per process and is never used). A partial last block has no hash: vLLM caches whole
 blocks only. Workers turn vLLM's own block hashes (engine-specific, salted per engine) into these
 (``services/workers/cache_events.py``); the gateway hashes a prompt the same way to ask its
 prefix index (``services/gateway/prefix_index.py``) which worker holds how much of it.
 
-Threading model: none (pure functions; ``BlockHasher`` is a value of one caller).
+Why a polynomial: it is computed for a whole prompt at once with numpy (``H(m) = BASE**m *
+(parent + sum_j (t_j + 1) * BASE**-(j + 1))``, BASE odd so it has an inverse modulo 2**64), so a
+routing decision hashes an 8k-token prompt in tens of microseconds. It is no cryptographic hash:
+a crafted prompt can collide with another. A collision only misleads routing (the engine checks
+its own hashes before it reuses a block), never the KV.
+
+Threading model: none (pure functions over read-only tables; ``BlockHasher`` is a value of one
+caller).
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Iterator, Sequence
-from hashlib import blake2b
 from typing import Final
 
-ROOT: Final = 0x6B7670757368_0001  # the parent of a prompt's first block ("kvpush" 1)
-HASH_BYTES: Final = 8
-CHUNK_BLOCKS: Final = 64  # the most blocks iter_block_hashes packs at once
-_LITTLE: Final = sys.byteorder == "little"
+import numpy as np
+
+ROOT: Final = 0x6B7670757368_0001  # the hash of the empty prefix ("kvpush" 1)
+BASE: Final = 0x9E3779B97F4A7C15  # odd: invertible modulo 2**64
+_MASK: Final = (1 << 64) - 1
+_SIGN: Final = 1 << 63
+_BASE_INV: Final = pow(BASE, -1, 1 << 64)
+TABLE_TOKENS: Final = 1 << 15  # powers kept for prompts up to this long (longer: computed)
 
 
-def _tokens_bytes(token_ids: Sequence[int]) -> bytes:
-    """The tokens as little-endian uint32 (a token id is below 2**32)."""
-    packed = array("I", token_ids)  # 4 bytes on every platform vLLM runs on
-    if not _LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
+def _powers(base: int, count: int) -> np.ndarray:
+    """``base**1 .. base**count`` modulo 2**64 (uint64 products wrap)."""
+    powers = np.cumprod(np.full(count, base, dtype=np.uint64), dtype=np.uint64)
+    powers.flags.writeable = False
+    return powers
 
 
-def _chain(parent: int, block: bytes | memoryview) -> int:
-    digest = blake2b(parent.to_bytes(HASH_BYTES, "little", signed=True), digest_size=HASH_BYTES)
-    digest.update(block)
-    return int.from_bytes(digest.digest(), "little", signed=True)
+def _running_sums(values: np.ndarray) -> np.ndarray:
+    sums = np.cumsum(values, dtype=np.uint64)
+    sums.flags.writeable = False
+    return sums
 
 
-def iter_block_hashes(
-    token_ids: Sequence[int], block_size: int, parent: int = ROOT
-) -> Iterator[int]:
-    """The hash of each whole block of ``token_ids``, lazily (stop early by not asking on).
-    Tokens are packed 1, 2, 4, ... up to ``CHUNK_BLOCKS`` blocks at a time: an early stop packs
-    little more than it hashed."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, not {block_size}")
-    parent_bytes = parent.to_bytes(HASH_BYTES, "little", signed=True)
-    block_bytes = block_size * 4
-    first, blocks = 0, 1
-    while first + block_size <= len(token_ids):
-        chunk = token_ids[first : first + blocks * block_size]
-        first, blocks = first + len(chunk), min(blocks * 2, CHUNK_BLOCKS)
-        whole = len(chunk) - len(chunk) % block_size
-        view = memoryview(_tokens_bytes(chunk[:whole]))
-        for start in range(0, whole * 4, block_bytes):
-            digest = blake2b(parent_bytes, digest_size=HASH_BYTES)
-            digest.update(view[start : start + block_bytes])
-            parent_bytes = digest.digest()
-            yield int.from_bytes(parent_bytes, "little", signed=True)
+_POWERS: Final = _powers(BASE, TABLE_TOKENS)
+_INVERSE_POWERS: Final = _powers(_BASE_INV, TABLE_TOKENS)
+_INVERSE_SUMS: Final = _running_sums(_INVERSE_POWERS)  # the "+ 1" of every token, summed
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value & _SIGN else value
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
     """The hash of each whole block of ``token_ids`` chained from ``parent`` (the partial last
     block has none)."""
-    return list(iter_block_hashes(token_ids, block_size, parent))
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    whole = len(token_ids) - len(token_ids) % block_size
+    if whole == 0:
+        return []
+    # a list of ints converts fastest through array('I') (token ids are below 2**32)
+    tokens = np.frombuffer(array("I", token_ids[:whole]), dtype=np.uint32)
+    if whole <= TABLE_TOKENS:
+        powers, inverse = _POWERS[:whole], _INVERSE_POWERS[:whole]
+        ones = _INVERSE_SUMS[block_size - 1 : whole : block_size]
+    else:
+        powers, inverse = _powers(BASE, whole), _powers(_BASE_INV, whole)
+        ones = _running_sums(inverse)[block_size - 1 :: block_size]
+    # sum_j (t_j + 1) * BASE**-(j + 1) up to each block's end: the tokens' part, then the ones'
+    sums = np.cumsum(tokens * inverse, dtype=np.uint64)[block_size - 1 :: block_size] + ones
+    hashes = powers[block_size - 1 :: block_size] * (sums + np.uint64(parent & _MASK))
+    return hashes.astype(np.int64).tolist()
+
+
+def iter_block_hashes(
+    token_ids: Sequence[int], block_size: int, parent: int = ROOT
+) -> Iterator[int]:
+    """``block_hashes`` one at a time (the first block's alone first, so a walk that stops at
+    the first block hashes no more than that)."""
+    first = block_hashes(token_ids[:block_size], block_size, parent)
+    if not first:
+        return
+    yield first[0]
+    yield from block_hashes(token_ids[block_size:], block_size, first[0])
 
 
 class BlockHasher:
@@ -85,5 +109,8 @@ class BlockHasher:
         """The hash of the prefix ending with ``block`` (exactly ``block_size`` tokens)."""
         if len(block) != self.block_size:
             raise ValueError(f"a block has {self.block_size} tokens, not {len(block)}")
-        self.last = _chain(self.last, _tokens_bytes(block))
+        value = self.last & _MASK
+        for token in block:
+            value = (value * BASE + token + 1) & _MASK
+        self.last = _signed(value)
         return self.last

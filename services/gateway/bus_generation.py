@@ -54,6 +54,7 @@ from kvpush.schemas.messages import (
 from kvpush.services.gateway.errors import ApiError
 from kvpush.services.gateway.migration import Lost, Migration
 from kvpush.services.gateway.observe import FinishedRequest
+from kvpush.services.gateway.route_choice import record_decision
 from kvpush.services.gateway.routing import NoWorkerError, first_token_by
 from kvpush.services.gateway.streaming import StreamFailed
 
@@ -155,7 +156,6 @@ class BusGeneration:
         limit, reconnects = self.gw.config.migration_limit, self.gw.bus.stats.reconnects
         self.migration = Migration(limit, sampling, reconnects)
         await self._dispatch(ids, sampling, self.arrived)
-        self.published_ns = time.time_ns()
         self.gw.metrics.prompt_tokens.inc(len(ids))
 
     async def _dispatch(self, ids: list[int], sampling: SamplingSpec, since: float) -> None:
@@ -180,7 +180,9 @@ class BusGeneration:
                     ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
                 ) from None
         self.route = route
-        self._explain(route, mode)
+        metrics = gw.metrics
+        decided = metrics.route_decisions, metrics.route_decision_seconds
+        record_decision(route.mode, route.explanation, mode, self.context.span, *decided)
         self.deadline = since + config.request_timeout_s
         event = RequestEvent(
             transfer_id=self.transfer_id,
@@ -214,19 +216,10 @@ class BusGeneration:
         self.stream = gw.streams.open(self.request_id, self.transfer_id)
         if self.first_byte is None:
             self.first_byte = _tracer.start_span("gateway.first_byte")
+        self.published_ns = self.published_ns or time.time_ns()  # the first publish's start
         await self._publish(event)
         gw.observer.track(self.transfer_id, route.mode.value)
         gw.metrics.routed.labels(route.mode.value).inc()
-
-    def _explain(self, route: Route, requested: TransferMode | None) -> None:
-        """The routing decision in the request's span and the gateway's metrics."""
-        explained, metrics = route.explanation, self.gw.metrics
-        reason = "override" if requested is not None else "least-loaded"
-        if explained is not None:  # --routing routed
-            reason = explained.reason.value
-            metrics.route_decision_seconds.observe(explained.decision_us / 1e6)
-            self.context.span.set_attributes(explained.span_attributes())
-        metrics.route_decisions.labels(route.mode.value, reason).inc()
 
     async def _migrate(self, lost: Lost) -> None:
         """Move the request off what it lost (``migration``)."""

@@ -299,14 +299,14 @@ class CostModel:
         if mode is TransferMode.LOCAL or prefill_id is None:
             computed = prompt_tokens - (cached_tokens or 0)
             self._prefilled(decode_id, computed, t.decode_received, t.first_token)
-            if published_ns and t.decode_received > published_ns:
-                self.local_overhead_ms.update((t.decode_received - published_ns) / 1e6)
+            if published_ns and t.decode_received:  # clocks of two hosts: at least 0
+                self.local_overhead_ms.update(max(0, t.decode_received - published_ns) / 1e6)
             return
         self._prefilled(prefill_id, prompt_tokens - prefill_hit, t.prefill_start, t.prefill_end)
         self._stepped(decode_id, t.kv_landed, t.first_token)
         hops = ((published_ns, t.prefill_received), (t.kv_sent, t.kv_landed))
-        if all(a and b >= a for a, b in hops):
-            self.handoff_ms.update(sum(b - a for a, b in hops) / 1e6)
+        if all(a and b for a, b in hops):  # a hop between two hosts' clocks: at least 0
+            self.handoff_ms.update(sum(max(0, b - a) for a, b in hops) / 1e6)
         moved = prompt_tokens - decode_hit
         if mode is TransferMode.PULL and moved > 0 and t.prefill_end and t.kv_sent > t.prefill_end:
             seconds = (t.kv_sent - t.prefill_end) / 1e9

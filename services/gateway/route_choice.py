@@ -20,10 +20,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
 
 from kvpush.schemas.messages import TransferMode, WorkerHeartbeat
 from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+    from prometheus_client import Counter, Histogram
 
 ALTERNATIVES: Final = 3
 """Runners-up kept in a route's explanation."""
@@ -169,3 +173,22 @@ def choose(
     _, _, _, best_p, best_d = ranked[0]
     prefill = prefills[best_p] if best_p >= 0 else None
     return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]))
+
+
+def record_decision(
+    mode: TransferMode,
+    explained: RouteExplanation | None,
+    requested: TransferMode | None,
+    span: Span,
+    decisions: Counter,
+    decision_seconds: Histogram,
+) -> None:
+    """A routing decision (its mode and, under the routed policy, its explanation) in the
+    request's span and the gateway's metrics (``kvpush_gateway_route_decisions_total``,
+    ``kvpush_gateway_route_decision_seconds``)."""
+    reason = "override" if requested is not None else "least-loaded"
+    if explained is not None:  # --routing routed
+        reason = explained.reason.value
+        decision_seconds.observe(explained.decision_us / 1e6)
+        span.set_attributes(explained.span_attributes())
+    decisions.labels(mode.value, reason).inc()
