@@ -55,6 +55,8 @@ DASHBOARD_METRICS: Final[dict[str, str]] = {
     "kvpush_worker_in_flight": "gauge",
     "kvpush_gateway_workers": "gauge",
     "kvpush_gateway_token_chunks_total": "counter",
+    "kvpush_gateway_route_decisions_total": "counter",
+    "kvpush_gateway_route_decision_seconds": "histogram",
 }
 HISTOGRAM_SERIES: Final = ("_bucket", "_sum", "_count")
 METRIC_NAME: Final = re.compile(r"kvpush_[a-z_]+")
