@@ -37,7 +37,12 @@ import msgspec
 from kvpush.connector import ConnectorInfo, EngineLink
 from kvpush.services.workers import kv_memory
 from kvpush.services.workers.engine import EngineHost
-from kvpush.services.workers.engine_config import EngineConfig, engine_kwargs, wait_for_gate
+from kvpush.services.workers.engine_config import (
+    EngineConfig,
+    engine_kwargs,
+    vllm_configs,
+    wait_for_gate,
+)
 from kvpush.services.workers.fanout import Answers, AnswersHost
 from kvpush.services.workers.handles import EngineOutput
 
@@ -138,7 +143,6 @@ class CoreEngineHost(AnswersHost):
         cfg = self.config
         started = time.monotonic()
         report("importing vllm")
-        from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -146,8 +150,7 @@ class CoreEngineHost(AnswersHost):
         imported_s = time.monotonic() - started
         wait_for_gate(cfg, report)  # another engine on the GPU measures its free memory
         kwargs = engine_kwargs(cfg)
-        if cfg.kv_transfer_config:
-            kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
+        vllm_configs(kwargs, cfg.kv_transfer_config)
         memory_key = kv_memory.key_of(cfg) if cfg.kv_transfer_config else None
         known = kv_memory.remembered(memory_key) if memory_key else None
         if known and kwargs.get("kv_cache_memory_bytes") is None:

@@ -36,7 +36,12 @@ from typing import Any
 
 from kvpush.connector import EngineLink, normal_dummy_weights
 from kvpush.services.workers import first_token
-from kvpush.services.workers.engine_config import EngineConfig, engine_kwargs, wait_for_gate
+from kvpush.services.workers.engine_config import (
+    EngineConfig,
+    engine_kwargs,
+    vllm_configs,
+    wait_for_gate,
+)
 from kvpush.services.workers.fanout import Answers, AnswersHost
 
 log = logging.getLogger(__name__)
@@ -70,7 +75,6 @@ class EngineHost(AnswersHost):
         cfg = self.config
         started = time.monotonic()
         report("importing vllm")
-        from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import EngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -78,8 +82,7 @@ class EngineHost(AnswersHost):
         report(f"vllm imported ({time.monotonic() - started:.1f} s); building the engine")
         wait_for_gate(cfg, report)  # another engine on the GPU measures its free memory
         kwargs = engine_kwargs(cfg)
-        if cfg.kv_transfer_config:
-            kwargs.update(kv_transfer_config=KVTransferConfig(**cfg.kv_transfer_config))
+        vllm_configs(kwargs, cfg.kv_transfer_config)
         engine = LLMEngine.from_engine_args(
             EngineArgs(**kwargs), usage_context=UsageContext.OPENAI_API_SERVER
         )

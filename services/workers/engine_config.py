@@ -156,20 +156,32 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     return kwargs
 
 
-def kv_events_config(endpoint: str) -> Any:
-    """vLLM's ``KVEventsConfig``: block stored/removed/cleared events of the prefix cache on a
-    ZMQ PUB socket bound at ``endpoint`` (an ipc:// path: private to this host). No replay, so
-    the publisher keeps one batch, not its default 10,000 (a long prompt's batch carries its
-    token ids). One publisher per engine whatever the TP: the scheduler's, in the engine core."""
-    from vllm.config.kv_events import KVEventsConfig  # vLLM is imported by now
+def kv_events_config(endpoint: str) -> dict[str, Any]:
+    """The fields of vLLM's ``KVEventsConfig`` (built where vLLM is imported: ``vllm_configs``):
+    block stored/removed/cleared events of the prefix cache on a ZMQ PUB socket bound at
+    ``endpoint`` (an ipc:// path: private to this host). No replay, so the publisher keeps one
+    batch, not its default 10,000 (a long prompt's batch carries its token ids). One publisher
+    per engine whatever the TP: the scheduler's, in the engine core."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": "kvpush",
+        "buffer_steps": 1,
+    }
 
-    return KVEventsConfig(
-        enable_kv_cache_events=True,
-        publisher="zmq",
-        endpoint=endpoint,
-        topic="kvpush",
-        buffer_steps=1,
-    )
+
+def vllm_configs(kwargs: dict[str, Any], kv_transfer_config: dict[str, Any] | None) -> None:
+    """Turn the config fields of ``engine_kwargs`` into vLLM's config objects, in place. Called
+    by the engine hosts once vLLM is imported (``engine_kwargs`` itself imports no vLLM)."""
+    from vllm.config import KVTransferConfig
+    from vllm.config.kv_events import KVEventsConfig
+
+    if kv_transfer_config:
+        kwargs.update(kv_transfer_config=KVTransferConfig(**kv_transfer_config))
+    events = kwargs.get("kv_events_config")
+    if isinstance(events, dict):
+        kwargs.update(kv_events_config=KVEventsConfig(**events))
 
 
 def wait_for_gate(cfg: EngineConfig, report: Callable[[str], None]) -> None:

@@ -74,8 +74,11 @@ def worker_config_of(stack: SoakStack, worker_id: str) -> worker_config.WorkerCo
 
 
 def test_cuda_workers_share_one_gpu_with_the_cuda_defaults_and_a_fixed_kv_cache(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the --engine-arg flags are vLLM's to parse (tests/integration/test_vllm_in_child.py): not
+    # here, where importing vLLM would break the rule that engines live in child processes
+    monkeypatch.setattr(worker_config, "parse_engine_args", lambda flags, **_: {})
     gpu = engines.Engines("cuda", tmp_path, "kvpush-llama-8b-shape", load_format="dummy", gpu=1)
     stack = three_workers(gpu, layer_delay_ms=0)
     for worker in stack.workers:
