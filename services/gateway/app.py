@@ -55,7 +55,9 @@ class Gateway:
         self.config, self.model, self.bus = config, model, bus
         self.metrics = GatewayMetrics()
         self.registry = WorkerRegistry(config.worker_lease_s, model=model.served_name)
-        self.prefix_index = PrefixIndex(request_sync=self._ask_cache_sync)
+        self.prefix_index = PrefixIndex(
+            config.prefix_index_max_blocks, request_sync=self._ask_cache_sync
+        )
         self.registry.membership.listeners.joined.append(self._cache_joined)
         self.registry.membership.listeners.left.append(self._cache_left)
         self.router = Router(
@@ -143,7 +145,7 @@ class Gateway:
         self.prefix_index.joined(hb.worker_id, hb.epoch, hb.total_blocks)
 
     def _cache_left(self, member: Member) -> None:
-        self.prefix_index.forget(member.heartbeat.worker_id)
+        self.prefix_index.forget(member.heartbeat.worker_id, member.heartbeat.epoch)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -21,6 +21,7 @@ from kvpush.connector import DEFAULT_NATS_URL
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services import settings
+from kvpush.services.gateway.prefix_index import DEFAULT_MAX_BLOCKS
 from kvpush.services.gateway.routing import RoutingPolicy
 from kvpush.services.settings import ConfigError, Setting
 
@@ -175,6 +176,15 @@ SETTINGS: tuple[Setting, ...] = (
         "a worker silent this long is gone, where its heartbeats state no lease (default 1.5)",
     ),
     Setting(
+        "prefix_index_max_blocks",
+        ("--prefix-index-max-blocks",),
+        int,
+        "the prefix index's bound: (worker, block) entries of all workers' prefix caches it"
+        " holds (default 500000, about 140 bytes each); past it the least recently stored or"
+        " matched entries go",
+        metavar="N",
+    ),
+    Setting(
         "migration_limit",
         ("--migration-limit",),
         int,
@@ -247,6 +257,7 @@ class GatewayConfig:
     stream_idle_timeout_s: float = 300.0  # first token on: the longest gap between tokens
     api_keys: tuple[str, ...] = ()
     worker_lease_s: float = 1.5  # the lease of workers whose heartbeats state none
+    prefix_index_max_blocks: int = DEFAULT_MAX_BLOCKS  # (worker, block) entries, all workers
     migration_limit: int = 3  # moves of one request to another decode worker
     max_body_bytes: int = 8 * 1024 * 1024
     stream_buffer_chunks: int = 4096  # per request; beyond it the request fails
@@ -259,7 +270,13 @@ class GatewayConfig:
         subjects.check_id(self.gateway_id)
         if self.mode not in (TransferMode.PUSH, TransferMode.PULL):
             raise ConfigError("--mode must be push or pull")
-        positive = ("max_inflight", "request_timeout_s", "worker_lease_s", "max_body_bytes")
+        positive = (
+            "max_inflight",
+            "request_timeout_s",
+            "worker_lease_s",
+            "max_body_bytes",
+            "prefix_index_max_blocks",
+        )
         timeouts = ("queue_timeout_s", "stream_idle_timeout_s", "start_timeout_s")
         for name in (*positive, *timeouts, "stream_buffer_chunks"):
             if getattr(self, name) <= 0:

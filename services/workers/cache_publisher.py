@@ -8,7 +8,9 @@ message at most ``MAX_CACHE_HASHES`` hashes (a larger round is split). ``seq`` c
 worker's messages from 0 per epoch, so a gateway sees a lost one. The first round, a
 ``CacheSync`` naming this worker (or none) and a new epoch (the worker rejoined) make the next
 round a snapshot: every hash the mirror holds, the first message ``cleared``, the last one
-``last``; changes before it are part of it, changes after it follow with higher ``seq``.
+``last``; changes before it are part of it, changes after it follow with higher ``seq``. So do
+pending changes past the mirror's capacity (``PendingChanges.overflowed``: publishing stalled).
+A reader whose thread died reported the cache cleared: that is published, then nothing more.
 
 Threading model: one task on the worker's asyncio loop publishes; ``wake`` is safe to call from
 the reader's thread (``call_soon_threadsafe``).
@@ -88,9 +90,13 @@ class CachePublisher:
         ``total_blocks`` (the pool's) and publish them (``stop`` ends both)."""
         reader = CacheEventReader(endpoint, total_blocks)
         publisher = cls(bus, reader, role, worker_id, epoch)
-        reader.on_ready = publisher.wake
-        await publisher.start()
-        reader.start()
+        reader.on_ready = publisher.wake  # a no-op until the publisher starts
+        reader.start()  # first: a refused endpoint (zmq.ZMQError) leaves nothing running
+        try:
+            await publisher.start()
+        except BaseException:
+            await publisher.stop()
+            raise
         return publisher
 
     async def start(self) -> None:
@@ -140,13 +146,12 @@ class CachePublisher:
             self._epoch, self._seq, self._snapshot_wanted = epoch, 0, True
         if self._snapshot_wanted:
             self._snapshot_wanted = False
-            held, block_size = self.reader.snapshot()
-            parts = chunks(held, [], MAX_CACHE_HASHES)
-            for index, (stored, _) in enumerate(parts):
-                last = index == len(parts) - 1
-                await self._publish(stored, [], block_size, index == 0, True, last)
+            await self._publish_snapshot()
             return
         changes = self.reader.take()
+        if changes.overflowed:  # more than the mirror holds: the snapshot is smaller
+            await self._publish_snapshot()
+            return
         if not changes:
             return
         stored, removed = changes.split()
@@ -156,6 +161,13 @@ class CachePublisher:
             cleared = changes.cleared and index == 0
             block_size = self.reader.mirror.block_size
             await self._publish(part_stored, part_removed, block_size, cleared, False, True)
+
+    async def _publish_snapshot(self) -> None:
+        held, block_size = self.reader.snapshot()
+        parts = chunks(held, [], MAX_CACHE_HASHES)
+        for index, (stored, _) in enumerate(parts):
+            last = index == len(parts) - 1
+            await self._publish(stored, [], block_size, index == 0, True, last)
 
     async def _publish(
         self,

@@ -35,6 +35,7 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models, settings
 from kvpush.services.settings import ConfigError
+from kvpush.services.workers.cache_events import ipc_endpoint
 from kvpush.services.workers.engine import EngineConfig
 from kvpush.services.workers.engine_args import parse_engine_args
 from kvpush.services.workers.flags import SETTINGS
@@ -93,7 +94,7 @@ class WorkerConfig:
         if self.kv_events != "on":
             return ""
         name = hashlib.blake2b(self.worker_id.encode(), digest_size=6).hexdigest()
-        return f"ipc://{tempfile.gettempdir()}/kvpush-kvev-{os.getpid()}-{name}"
+        return ipc_endpoint(f"kvpush-kvev-{os.getpid()}-{name}", tempfile.gettempdir())
 
     def engine_config(self) -> EngineConfig:
         extra: dict[str, Any] = {

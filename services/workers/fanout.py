@@ -46,11 +46,16 @@ def child_id(request_id: str, index: int) -> str:
 
 
 def engine_params(
-    spec: SamplingSpec, index: int = 0, kv_params: dict[str, Any] | None = None
+    spec: SamplingSpec,
+    index: int = 0,
+    kv_params: dict[str, Any] | None = None,
+    report_hits: bool = False,
 ) -> Any:
     """vLLM ``SamplingParams`` of answer ``index`` of ``spec`` (``n`` = 1, the seed shifted by
-    the index, the prompt's log-probabilities for answer 0 only), DELTA outputs, and the
-    connector's ``kv_transfer_params`` (answer 0 only). Kwargs vLLM 0.26 and 0.32 both take."""
+    the index, the prompt's log-probabilities for answer 0 only), DELTA outputs, the
+    connector's ``kv_transfer_params`` (answer 0 only) and with ``report_hits`` vLLM's "full"
+    KV cache report mode (its prefix-cache hits become KV events too: ``cache_events``; the
+    sampling is the same). Kwargs vLLM 0.26 and 0.32 both take."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -72,10 +77,13 @@ def engine_params(
         given = msgspec.structs.asdict(spec.structured_outputs).items()
         grammar = {k: list(v) if isinstance(v, list) else v for k, v in given if k in known}
         fields["structured_outputs"] = StructuredOutputsParams(**grammar)
+    extra_args: dict[str, Any] = {}
+    if kv_params and index == 0:
+        extra_args["kv_transfer_params"] = kv_params
+    if report_hits:
+        extra_args["kv_cache_report_mode"] = "full"
     return SamplingParams(
-        **fields,
-        output_kind=RequestOutputKind.DELTA,
-        extra_args={"kv_transfer_params": kv_params} if kv_params and index == 0 else None,
+        **fields, output_kind=RequestOutputKind.DELTA, extra_args=extra_args or None
     )
 
 
@@ -287,7 +295,8 @@ class AnswersHost:
             ids = [child_id(rid, i) for i in range(sampling.n)]
             if any(i in self._answers or i in self._requests for i in ids):
                 raise ValueError("duplicate request_id")
-            params = [engine_params(sampling, i, kv_params) for i in range(sampling.n)]
+            hits = bool(self.config.kv_events_endpoint)  # --kv-events on: report reuse too
+            params = [engine_params(sampling, i, kv_params, hits) for i in range(sampling.n)]
             prompt = tokens_input(token_ids, cache_salt=cache_salt)
             answers = Answers(rid, handle, prompt, {rid: 0}, list(enumerate(params))[1:])
             self._add_answer(answers, rid, params[0])

@@ -72,7 +72,7 @@ from kvpush.services.workers.heartbeats import Heartbeats
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.peers import PeerWatch
 from kvpush.services.workers.registry import Registry
-from kvpush.services.workers.worker_metrics import IntegrityCollector
+from kvpush.services.workers.worker_metrics import IntegrityCollector, worker_registry
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +146,16 @@ class Worker:
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
         if cfg.metrics_port is not None:  # what vLLM's engine records (stats on) in this process
-            self._metrics, _ = start_http_server(cfg.metrics_port, addr=cfg.side_channel_host)
+            served = worker_registry()  # vllm:* (process-global) and this worker's own series
+            self._metrics, _ = start_http_server(
+                cfg.metrics_port, addr=cfg.side_channel_host, registry=served
+            )
             host, port = self._metrics.server_address[:2]
             log.info("engine metrics (vllm:*) at http://%s:%d/metrics", host, port)
             if self.role is WorkerRole.DECODE:  # the link is the built engine's: read it late
-                self._integrity = IntegrityCollector(lambda: self.host.link.integrity_counts())
+                self._integrity = IntegrityCollector(
+                    lambda: self.host.link.integrity_counts(), served
+                )
         await asyncio.to_thread(self.host.start, lambda msg: log.info("engine: %s", msg))
         self.side_channels = [info.side_channel for info in self.host.link.ranks]
         self.side_channel = self.side_channels[0] if self.side_channels else ""

@@ -9,6 +9,11 @@ half's, or over ``collective_rpc`` the engine-core process's ranks', ``CoreLink`
 collector keeps none: it reads them at scrape time. One collector per worker, registered as it
 is made (when the worker starts its metrics server) and unregistered at its stop (``close``).
 
+``worker_registry``: what a worker's metrics server serves, its own ``CollectorRegistry``
+(its ``IntegrityCollector``) that also yields prometheus_client's process-global ``REGISTRY``
+(vLLM's ``vllm:*``, recorded there) at each scrape. Two workers in one process (tests) each
+serve their own series beside the shared ones; nothing of a worker is registered globally.
+
 Threading model: ``collect`` runs on prometheus_client's server thread, once per scrape; the
 counts source must be callable from any thread (both links' ``integrity_counts`` are). A source
 that fails (the engine stopping) yields a family without samples, and a warning.
@@ -33,13 +38,30 @@ INTEGRITY_HELP = (
 )
 
 
+class GlobalMetrics(Collector):
+    """Every series of prometheus_client's process-global ``REGISTRY`` (or ``source``), read at
+    each collect; registered without names, so a worker registry never clashes with them."""
+
+    def __init__(self, source: CollectorRegistry = REGISTRY) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._source.collect()
+
+
+def worker_registry(shared: CollectorRegistry = REGISTRY) -> CollectorRegistry:
+    """A worker's own registry: its collectors plus, at each scrape, ``shared``'s series."""
+    registry = CollectorRegistry(support_collectors_without_names=True)
+    registry.register(GlobalMetrics(shared))
+    return registry
+
+
 class IntegrityCollector(Collector):
     """``kvpush_kv_integrity_total{outcome}`` read from ``counts`` at each scrape; registered
-    in ``registry`` as it is made (ValueError: the family is there already)."""
+    in ``registry`` (the worker's own, ``worker_registry``) as it is made (ValueError: the
+    family is there already)."""
 
-    def __init__(
-        self, counts: Callable[[], dict[str, int]], registry: CollectorRegistry = REGISTRY
-    ) -> None:
+    def __init__(self, counts: Callable[[], dict[str, int]], registry: CollectorRegistry) -> None:
         self._counts = counts
         self._registry = registry
         registry.register(self)  # asks ``describe``, not the engine

@@ -48,6 +48,10 @@ assert (zero.n, zero.seed, two.n, two.seed) == (1, 7, 1, 9)
 assert (zero.prompt_logprobs, two.prompt_logprobs) == (1, None)
 assert zero.output_kind == RequestOutputKind.DELTA == two.output_kind
 assert zero.extra_args == {"kv_transfer_params": kv} and not two.extra_args
+# --kv-events on: vLLM reports a prefix-cache hit as a store (its "full" report mode)
+full = {"kv_cache_report_mode": "full"}
+assert engine_params(spec, 0, kv, True).extra_args == {"kv_transfer_params": kv, **full}
+assert engine_params(spec, 2, kv, True).extra_args == full
 assert isinstance(zero.structured_outputs, StructuredOutputsParams)
 assert zero.structured_outputs.json == '{"type": "object"}'
 assert zero.structured_outputs.disable_any_whitespace and two.structured_outputs.json

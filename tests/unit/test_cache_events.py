@@ -6,15 +6,24 @@ published as CacheEvents."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 
 from kvpush.schemas import decode, encode, subjects
 from kvpush.schemas.messages import CacheEvents, CacheSync, WorkerRole
 from kvpush.schemas.prefix import block_hashes
-from kvpush.services.workers.cache_events import CacheEventReader
+from kvpush.services.workers import cache_events
+from kvpush.services.workers.cache_events import (
+    IPC_PATH_MAX,
+    CacheEventReader,
+    PendingChanges,
+    ipc_endpoint,
+)
 from kvpush.services.workers.cache_publisher import CachePublisher, chunks
 
 BS = 4
@@ -95,6 +104,7 @@ def test_cleared_drops_everything_and_says_so() -> None:
         ({"lora_name": "adapter"}, "lora"),
         ({"extra_keys": [("mm-hash", 0)]}, "extra_keys"),
         ({"medium": "STORAGE"}, "medium"),
+        ({"medium": "CPU"}, "medium"),  # vLLM's offload tier: the engine's pool says "GPU"
         ({"group_idx": 1}, "group"),
     ],
 )
@@ -122,8 +132,31 @@ def test_a_sequence_gap_clears_the_mirror() -> None:
 
 def test_the_mirror_is_bounded_by_the_pool() -> None:
     feed = Feed(capacity=2)
-    assert feed(stored([b"e1", b"e2", b"e3"], PROMPT)) == (OURS[1:], OURS[:1], False)
+    # e1 went before it was published: nothing to say of it
+    assert feed(stored([b"e1", b"e2", b"e3"], PROMPT)) == (OURS[1:], [], False)
     assert len(feed.reader.mirror) == 2
+    assert feed(stored([b"e1"], PROMPT[:4])) == (OURS[:1], [OURS[2]], False)  # the tail
+
+
+def test_a_reused_prefix_is_refreshed_without_bus_traffic_and_its_head_goes_last() -> None:
+    feed = Feed(capacity=3)
+    feed(stored([b"e1", b"e2"], PROMPT[:8]))
+    feed(stored([b"e3"], PROMPT[8:], parent=b"e2"))
+    assert feed(stored([b"e1", b"e2"], PROMPT[:8])) == ([], [], False)  # a hit, "full" mode
+    other = block_hashes([7] * BS, BS)
+    assert feed(stored([b"x"], [7] * BS)) == (other, [OURS[2]], False)  # e3: least recent
+    assert feed(stored([b"y"], [8] * BS))[1] == [OURS[1]]  # then e2: the chain's tail first
+
+
+def test_a_hit_after_a_clear_indexes_the_prefix_again_and_what_extends_it() -> None:
+    feed = Feed()
+    feed(stored([b"e1", b"e2"], PROMPT[:8]))
+    feed(CLEARED)
+    assert feed(stored([b"e3"], PROMPT[8:], parent=b"e2")) == ([], [], False)  # an orphan
+    # vLLM's "full" report of a hit: the whole prefix from the first block, no parent
+    assert feed(stored([b"e1", b"e2"], PROMPT[:8])) == (OURS[:2], [], False)
+    assert feed(stored([b"e3"], PROMPT[8:], parent=b"e2")) == (OURS[2:], [], False)
+    assert feed.reader.mirror.skipped == {"orphan": 1}
 
 
 def test_chunks_split_and_bound() -> None:
@@ -173,3 +206,140 @@ def test_the_publisher_sends_changes_then_snapshots_in_sequence() -> None:
         (8, 0, [OURS[0]], [], True, True),
     ]
     assert all(m.block_size == BS and m.worker_id == "d0" and m.last for m in sent)
+
+
+# ---- pending changes: net changes, bounded -------------------------------------------------
+def test_a_hash_stored_and_removed_before_it_was_published_leaves_nothing() -> None:
+    changes = PendingChanges()
+    changes.store(1)
+    changes.remove(1)
+    assert not changes and changes.held == {}
+    changes.remove(2)  # published before: gateways must drop it, whatever follows
+    changes.store(2)
+    changes.remove(2)
+    assert changes.split() == ([], [2])
+    changes.clear()
+    changes.remove(3)  # gateways hold nothing of before a clear
+    assert changes.cleared and changes.held == {}
+
+
+def test_changes_past_the_limit_become_a_snapshot() -> None:
+    changes = PendingChanges(limit=2)
+    for prefix_hash in (1, 2, 3):
+        changes.remove(prefix_hash)
+    assert changes.overflowed and changes.held == {} and changes
+    changes.store(4)
+    assert changes.held == {}  # the snapshot will hold it
+
+
+LONG = list(range(1, 17))  # four blocks
+LONG_OURS = block_hashes(LONG, BS)
+
+
+def publisher_of(feed: Feed, fake_bus: FakeBus | None = None) -> tuple[CachePublisher, FakeBus]:
+    fake_bus = fake_bus or FakeBus()
+    publisher = CachePublisher(fake_bus, feed.reader, WorkerRole.DECODE, "d0", lambda: 7)  # type: ignore[arg-type]
+    return publisher, fake_bus
+
+
+def test_a_stalled_publisher_s_overflow_is_published_as_a_snapshot() -> None:
+    async def scenario() -> list[CacheEvents]:
+        feed = Feed(capacity=2)
+        publisher, bus = publisher_of(feed)
+        feed(stored([b"e1", b"e2"], LONG[:8]), seq=0)  # taken: as if published
+        feed.reader.feed(1, batch(stored([b"e3", b"e4"], LONG[8:], parent=b"e2")))
+        await publisher.publish_round()
+        return bus.sent
+
+    sent = asyncio.run(scenario())
+    # e1, e2 removed and e3, e4 stored: 4 changes, past the limit (2)
+    assert [(sorted(m.stored), m.removed, m.cleared, m.snapshot) for m in sent] == [
+        (sorted(LONG_OURS[2:]), [], True, True)
+    ]
+
+
+# ---- failures: a batch, the reader thread, the start ---------------------------------------
+def test_a_batch_that_fails_to_apply_clears_the_mirror_and_reading_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    feed = Feed()
+    feed(stored([b"e1"], PROMPT[:4]))
+
+    def broken(*args: Any) -> list[int]:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cache_events, "block_hashes", broken)
+    assert feed(stored([b"e2"], PROMPT[4:8], parent=b"e1")) == ([], [], True)
+    assert feed.reader.gaps == 1 and len(feed.reader.mirror) == 0
+    monkeypatch.undo()
+    assert feed(stored([b"e1"], PROMPT[:4])) == (OURS[:1], [], False)
+
+
+class BrokenSocket:
+    """What the reader thread polls: fails at once."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def poll(self, timeout_ms: int) -> int:
+        raise zmq.ZMQError(zmq.ETERM)
+
+    def close(self, linger: int | None = None) -> None:
+        self.closed = True
+
+
+def test_a_reader_thread_that_dies_has_the_publisher_report_the_cache_cleared() -> None:
+    async def scenario() -> tuple[list[CacheEvents], int]:
+        feed = Feed()
+        publisher, bus = publisher_of(feed)
+        woken: list[bool] = []
+        feed.reader.on_ready = lambda: woken.append(True)
+        feed.reader.feed(0, batch(stored([b"e1"], PROMPT[:4])))
+        await publisher.publish_round()
+        socket = BrokenSocket()
+        feed.reader._socket = socket  # type: ignore[assignment]
+        feed.reader._run()  # the thread's body, on this thread
+        assert socket.closed and feed.reader.failed
+        await publisher.publish_round()
+        return bus.sent, len(woken)
+
+    sent, woken = asyncio.run(scenario())
+    assert [(m.seq, m.stored, m.cleared) for m in sent] == [(0, OURS[:1], False), (1, [], True)]
+    assert woken == 2  # the store, then the failure
+
+
+class RefusingBus(FakeBus):
+    def __init__(self, refuse: bool) -> None:
+        super().__init__()
+        self.refuse, self.subscribed = refuse, 0
+
+    async def subscribe(self, *args: Any, **kwargs: Any) -> None:
+        self.subscribed += 1
+        if self.refuse:
+            raise RuntimeError("the bus is closing")
+
+
+def readers_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvpush-kv-events" and t.is_alive()]
+
+
+def test_a_start_that_fails_leaves_nothing_running(tmp_path: Path) -> None:
+    async def scenario(fake_bus: RefusingBus, endpoint: str) -> None:
+        await CachePublisher.open(fake_bus, WorkerRole.DECODE, "d0", endpoint, 8, lambda: 7)  # type: ignore[arg-type]
+
+    too_long = "ipc:///tmp/" + "x" * (IPC_PATH_MAX + 1)
+    bus = RefusingBus(refuse=False)
+    with pytest.raises(zmq.ZMQError):
+        asyncio.run(scenario(bus, too_long))
+    assert bus.subscribed == 0 and not readers_alive()
+    bus = RefusingBus(refuse=True)
+    with pytest.raises(RuntimeError):
+        asyncio.run(scenario(bus, ipc_endpoint("kvpush-test-events", str(tmp_path))))
+    assert bus.subscribed == 1 and not readers_alive()
+
+
+def test_an_ipc_endpoint_past_the_socket_path_limit_falls_back_to_tmp() -> None:
+    assert ipc_endpoint("kvev-1", "/var/tmp") == "ipc:///var/tmp/kvev-1"
+    deep = "/" + "d" * (IPC_PATH_MAX - len("/kvev-1"))  # one byte too long
+    assert ipc_endpoint("kvev-1", deep[:-1]) == f"ipc://{deep[:-1]}/kvev-1"
+    assert ipc_endpoint("kvev-1", deep) == "ipc:///tmp/kvev-1"

@@ -6,9 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from kvpush.services.workers.worker_metrics import INTEGRITY_OUTCOMES, IntegrityCollector
+from kvpush.services.workers.worker_metrics import (
+    INTEGRITY_OUTCOMES,
+    IntegrityCollector,
+    worker_registry,
+)
 
 SERIES = "kvpush_kv_integrity_total"
 
@@ -77,3 +81,24 @@ def test_one_collector_per_registry() -> None:
     IntegrityCollector(FakeLink({}).integrity_counts, registry)
     with pytest.raises(ValueError):
         IntegrityCollector(FakeLink({}).integrity_counts, registry)
+
+
+def test_two_workers_in_one_process_serve_their_own_counts_beside_the_shared_series() -> None:
+    """Each worker's registry holds its own collector and yields the shared registry's series
+    (vLLM's vllm:*, in prometheus_client's process-global one; a stand-in here) at each scrape:
+    a second decode worker in the process registers nothing twice."""
+    shared = CollectorRegistry()
+    engine_steps = Counter("vllm_test_steps", "engine steps", registry=shared)
+    links = [FakeLink({"verified": 3}), FakeLink({"verified": 5})]
+    registries = [worker_registry(shared), worker_registry(shared)]
+    for link, registry in zip(links, registries, strict=True):
+        IntegrityCollector(link.integrity_counts, registry)
+    engine_steps.inc(7)
+    assert [scrape(r)["verified"] for r in registries] == [3.0, 5.0]
+    for registry in registries:
+        text = generate_latest(registry).decode()
+        assert "vllm_test_steps_total 7.0" in text, text
+        # what a scrape with ?name[]=... serves: both kinds still answer
+        names = [SERIES, "vllm_test_steps_total"]
+        restricted = generate_latest(registry.restricted_registry(names)).decode()  # type: ignore[arg-type]
+        assert "vllm_test_steps_total 7.0" in restricted and SERIES in restricted, restricted
