@@ -171,10 +171,11 @@ class BusGeneration:
                     route = gw.router.route(ids, mode)
                 except NoWorkerError as exc:
                     moved = self.migration is not None and self.migration.count
-                    if not (moved and exc.role is WorkerRole.PREFILL):
-                        raise
-                    mode = TransferMode.LOCAL
-                    route = gw.router.route(ids, mode)  # moved: not a 503
+                    if moved and exc.role is WorkerRole.PREFILL:
+                        mode = TransferMode.LOCAL  # moved: not a 503
+                    elif not await gw.router.registry.back(exc.role, config.worker_lease_s * 3):
+                        raise  # none came back within three leases (one missed its lease)
+                    route = gw.router.route(ids, mode)
             except NoWorkerError as exc:
                 raise self._fail(
                     ApiError(503, str(exc), type_="service_unavailable", code="no_workers")

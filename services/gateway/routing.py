@@ -202,6 +202,17 @@ class WorkerRegistry:
         """Return once a worker of ``role`` has been seen (at once if one has been)."""
         await self._seen[role].wait()
 
+    async def back(self, role: WorkerRole, timeout_s: float, poll_s: float = 0.1) -> bool:
+        """Wait up to ``timeout_s`` for a live worker of ``role`` when one was seen before (a
+        worker that missed its lease on a busy host rejoins within a few); False at once when
+        none ever was."""
+        deadline = time.monotonic() + timeout_s
+        while self._seen[role].is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            if self.alive(role):
+                return True
+        return False
+
     def alive(
         self, role: WorkerRole, *, include_draining: bool = False, tick: bool = True
     ) -> list[WorkerState]:

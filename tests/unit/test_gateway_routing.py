@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 
@@ -176,3 +177,21 @@ def test_config_flags_beat_env_and_env_beats_defaults() -> None:
 def test_bad_config_is_a_config_error(argv: tuple[str, ...], env: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         GatewayConfig.from_args(parse(*argv), env)
+
+
+async def test_a_request_waits_a_few_leases_for_a_worker_that_missed_its_lease(
+    registry: WorkerRegistry, clock: Clock
+) -> None:
+    """A worker that missed its lease on a busy host rejoins within a few: a request that
+    needs its role waits for it (bounded) instead of a 503 at once; a role never seen: no wait."""
+    assert not await registry.back(P, timeout_s=60.0)  # no prefill worker ever: at once
+    registry.observe(beat(P, "p0"))
+    clock.now += 3.1
+    assert not registry.alive(P)
+    waiting = asyncio.create_task(registry.back(P, timeout_s=60.0, poll_s=0.001))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    registry.observe(beat(P, "p0", epoch=2))  # it rejoined
+    assert await waiting
+    clock.now += 3.1
+    assert not await registry.back(P, timeout_s=0.01, poll_s=0.001)  # bounded
