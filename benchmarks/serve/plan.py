@@ -1,8 +1,11 @@
 """What one ``kvpush bench serve`` invocation measures: its tables, load points and seeds.
 
 A *table* is one (dataset, input length), e.g. ``random:2048`` or ``sonnet:2048``: every system
-runs every point of it. ``--tables`` lists them; without it, ``--datasets`` x ``--input-lens``
-(their cross product), and without those the committed set (``DEFAULT_TABLES``).
+runs every point of it. ``reuse50:1024`` / ``reuse90:1024`` (issue 32, vLLM's client only):
+vLLM bench's prefix-repetition dataset with 50% / 90% of each prompt a prefix that other
+requests of the point share (``vllm_client.py``). ``--tables`` lists them; without it,
+``--datasets`` x ``--input-lens`` (their cross product), and without those the committed set
+(``DEFAULT_TABLES``).
 
 A *point* has an id that names it independently of what else the run measures: ``0.25x`` (a
 Poisson rate at that fraction of the prefill capacity probed at the table's input length),
@@ -34,10 +37,16 @@ from kvpush.benchmarks.serve import (
     VLLM_CLIENT_TABLES,
 )
 from kvpush.benchmarks.serve.loadgen import LoadPoint
+from kvpush.benchmarks.serve.systems import ROUTING_SYSTEMS
 from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import resolve_device
 
-DATASETS = ("random", "sonnet", "prefix")  # prefix: vLLM's client only (vllm_client.py)
+REUSE_DATASETS = {"reuse50": 0.5, "reuse90": 0.9}  # name -> prefix share of each prompt
+DATASETS = ("random", "sonnet", "prefix", *REUSE_DATASETS)  # prefix, reuse*: vLLM's client only
+CLIENT_DATASETS = {  # the datasets each client can send (vllm_client.py, loadgen.py)
+    "vllm": ("random", "prefix", *REUSE_DATASETS),
+    "kvpush": ("random", "sonnet"),
+}
 CLIENTS = ("kvpush", "vllm")  # who sends the load: loadgen.py, or `vllm bench serve`
 
 
@@ -162,9 +171,10 @@ def from_args(args: argparse.Namespace) -> Plan:
     default = GPU_SYSTEMS if cuda else CPU_SYSTEMS
     text = getattr(args, "systems", None) or ",".join(default)
     systems = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
+    known = (*ALL_SYSTEMS, *ROUTING_SYSTEMS)
+    unknown = sorted(set(systems) - set(known))
     if unknown or not systems:
-        raise ConfigError(f"kvpush bench serve: unknown system(s) {unknown}; know {ALL_SYSTEMS}")
+        raise ConfigError(f"kvpush bench serve: unknown system(s) {unknown}; know {known}")
     try:
         if args.tables and (args.datasets or args.input_lens):
             raise ValueError("give --tables or --datasets/--input-lens, not both")
@@ -205,9 +215,9 @@ def from_args(args: argparse.Namespace) -> Plan:
     client = getattr(args, "client", None) or ("vllm" if cuda else "kvpush")
     if client not in CLIENTS:
         raise ConfigError(f"kvpush bench serve: --client is one of {CLIENTS}")
-    wrong = {"vllm": "sonnet", "kvpush": "prefix"}[client]  # each client's own datasets
-    if any(t.dataset == wrong for t in tables):
-        raise ConfigError(f"kvpush bench serve: --client {client} has no {wrong} dataset")
+    wrong = sorted({t.dataset for t in tables} - set(CLIENT_DATASETS[client]))
+    if wrong:
+        raise ConfigError(f"kvpush bench serve: --client {client} has no {wrong[0]} dataset")
     return Plan(
         systems,
         tables,

@@ -13,6 +13,14 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
   (``kvpush_mode``, ``request_extra``): the gateway then answers 503 when no prefill worker is
   alive instead of degrading to local mode (``gateway/routing.py``, ``Router.route``), so a
   benchmark point cannot silently measure decode computing the prompt.
+- ``KvpushRoutedSystem`` (issue 32's routing benchmark): ``kvpush up --prefill 2 --decode 2``
+  (on a GPU ``--decode 1``: 2P1D sharing the one GPU) in push mode under a routing policy,
+  ``kvpush-routed`` (``--routing routed``, the default ``--local-threshold``: routed decides
+  per request between D-local prefill and the push) and
+  ``kvpush-least-loaded`` (``--routing least-loaded``, ``--local-threshold 256``, the old
+  default). Their requests name no mode (the policy chooses; some requests are local on
+  purpose), so their transfer check is ``none``. ``kvpush up`` has no ``--routing`` flag: the
+  policy reaches the gateway through its environment variable ``KVPUSH_ROUTING``.
 
 ``transfer`` says how ``checks.py`` verifies that each request's KV was moved: ``gateway``
 (the kvpush gateway's /metrics counters), ``proxy`` (the proxy's ``no_kv_params`` and D's cached
@@ -186,6 +194,10 @@ class KvpushSystem(System):
     eager: ClassVar[bool] = False  # --enforce-eager (the -eager rows; CPU engines always are)
     mps: ClassVar[bool] = False  # --mps on (the -mps rows: P and D share the GPU's SMs)
     kv_checksum: ClassVar[bool] = True  # False: --kv-checksum off (the -unchecked row)
+    prefill_workers: ClassVar[int] = 1  # --prefill N
+    decode_workers: ClassVar[int] = 1  # --decode N
+    local_threshold: ClassVar[int | None] = 0  # None: the gateway's default (not passed)
+    routing: ClassVar[str | None] = None  # the gateway's --routing (KVPUSH_ROUTING); None: default
 
     def __init__(self) -> None:
         super().__init__()
@@ -194,16 +206,30 @@ class KvpushSystem(System):
     async def start(self, ctx: BenchContext) -> str:
         port = free_port()
         argv = self.argv(ctx, port)
-        process = Process(self.name, argv, ctx.log_dir / f"{self.name}.log").start()
+        log = ctx.log_dir / f"{self.name}.log"
+        process = Process(self.name, argv, log, env=self.environment()).start()
         self.processes.append(process)
         url = f"http://127.0.0.1:{port}"
         await wait_http_ok(f"{url}/ready", self.processes, ctx.start_timeout_s)
         return url
 
+    def workers(self, ctx: BenchContext) -> tuple[int, int]:
+        """(prefill workers, decode workers) of ``kvpush up`` on ``ctx``'s device."""
+        return self.prefill_workers, self.decode_workers
+
+    def environment(self) -> dict[str, str]:
+        """Variables added to ``kvpush up``'s environment (its gateway inherits them)."""
+        return {"KVPUSH_ROUTING": self.routing} if self.routing else {}
+
     def argv(self, ctx: BenchContext, port: int) -> list[str]:
         """The ``kvpush up`` command of this system (sets ``trace_file`` when tracing)."""
         argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--model", str(ctx.model_dir)]
-        argv += ["--mode", self.mode, "--port", str(port), "--local-threshold", "0"]
+        argv += ["--mode", self.mode, "--port", str(port)]
+        if self.local_threshold is not None:
+            argv += ["--local-threshold", str(self.local_threshold)]
+        prefill, decode = self.workers(ctx)
+        if (prefill, decode) != (1, 1):
+            argv += ["--prefill", str(prefill), "--decode", str(decode)]
         argv += ["--first-token", self.first_token_by]
         argv += ["--log-dir", str(ctx.log_dir / self.name)]
         argv += ["--device", ctx.device, "--load-format", ctx.load_format]
@@ -256,6 +282,39 @@ class KvpushPushUnchecked(KvpushPush):
     kv_checksum = False
 
 
+class KvpushRoutedSystem(KvpushSystem):
+    """2P2D in push mode under a routing policy: the policy picks each request's mode."""
+
+    mode = "push"
+    transfer = "none"  # some requests are served on D by design: nothing to check per request
+    prefill_workers = 2
+    decode_workers = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_extra = {}  # no kvpush_mode: that would override the policy
+
+    def workers(self, ctx: BenchContext) -> tuple[int, int]:
+        """2P2D on CPU (a core each, in turn); 2P1D on a GPU (the three share it)."""
+        return (
+            (self.prefill_workers, 1) if ctx.cuda else (self.prefill_workers, self.decode_workers)
+        )
+
+
+class KvpushRouted(KvpushRoutedSystem):
+    name = "kvpush-routed"
+    routing = "routed"
+    local_threshold = None  # the default: a cold-start fallback only (0 would mean never LOCAL)
+
+
+class KvpushLeastLoaded(KvpushRoutedSystem):
+    name = "kvpush-least-loaded"
+    routing = "least-loaded"
+    local_threshold = 256  # the old default threshold, named so a new default does not move it
+
+
+ROUTING_SYSTEMS = (KvpushRouted.name, KvpushLeastLoaded.name)
+
 KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
     cls.name: cls
     for cls in (
@@ -265,5 +324,7 @@ KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
         KvpushPullEager,
         KvpushPushMps,
         KvpushPushUnchecked,
+        KvpushRouted,
+        KvpushLeastLoaded,
     )
 }

@@ -4,9 +4,13 @@
 client vLLM's users benchmark with, so every system, kvpush's and vLLM's, is measured the way
 vLLM measures itself. Per point: ``--dataset-name random`` with ``--random-input-len`` the
 table's length (``prefix``: half of it a prefix every request shares, ``--random-prefix-len``,
-so prefix caches take part), ``--random-range-ratio 0`` (exact lengths), the point's output
-length with ``--ignore-eos``, greedy (``--temperature 0``), ``--seed`` the point's seed (to 32
-bits, as numpy takes it; every system the same prompts, every point and repeat prompts of its
+so prefix caches take part), ``--random-range-ratio 0`` (exact lengths); ``reuse50``/``reuse90``
+(issue 32): ``--dataset-name prefix_repetition`` instead, that share of the length a prefix
+(``--prefix-repetition-prefix-len``, the rest ``-suffix-len``) repeated by the point's requests
+in ``reuse_prefixes`` groups (``-num-prefixes``, shuffled: requests of a group arrive apart,
+as turns of one conversation do); the point's output length with ``--ignore-eos``, greedy
+(``--temperature 0``), ``--seed`` the point's seed (to 32 bits, as numpy takes it; every
+system the same prompts, every point and repeat prompts of its
 own), Poisson arrivals at the
 rate (``--request-rate``) or a fixed concurrency (``--max-concurrency``, rate inf), the
 system's extra request fields (``--extra-body``: kvpush's ``kvpush_mode``), and request ids
@@ -37,9 +41,39 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.benchmarks.serve.loadgen import LoadPoint, RequestResult
+from kvpush.benchmarks.serve.plan import REUSE_DATASETS
 from kvpush.benchmarks.serve.vllm_systems import SITE_DIR
 
-DATASETS = ("random", "prefix")
+DATASETS = ("random", "prefix", *REUSE_DATASETS)
+REUSE_GROUP_MAX = 4  # at most this many shared prefixes per reuse point
+
+
+def reuse_prefixes(requests: int) -> int:
+    """Shared prefixes of a reuse point of ``requests``: the most up to ``REUSE_GROUP_MAX`` that
+    divides it (vLLM's dataset makes ``requests // prefixes`` per prefix: none are dropped)."""
+    return next(
+        n for n in range(min(REUSE_GROUP_MAX, max(requests, 1)), 0, -1) if requests % n == 0
+    )
+
+
+def _dataset_argv(point: LoadPoint) -> list[str]:
+    """``vllm bench serve``'s dataset arguments of the point (lengths and output length)."""
+    share = REUSE_DATASETS.get(point.dataset)
+    if share is not None:
+        prefix = round(point.input_len * share)
+        argv = ["--dataset-name", "prefix_repetition"]
+        argv += ["--prefix-repetition-prefix-len", str(prefix)]
+        argv += ["--prefix-repetition-suffix-len", str(point.input_len - prefix)]
+        argv += ["--prefix-repetition-num-prefixes", str(reuse_prefixes(point.requests))]
+        return [*argv, "--prefix-repetition-output-len", str(point.output_len)]
+    prefix = point.input_len // 2 if point.dataset == "prefix" else 0
+    argv = ["--dataset-name", "random"]
+    argv += ["--random-input-len", str(point.input_len - prefix), "--random-range-ratio", "0"]
+    if prefix:
+        argv += ["--random-prefix-len", str(prefix)]
+    return [*argv, "--random-output-len", str(point.output_len)]
+
+
 LOOP = Path(__file__).with_name("vllm_bench_loop.py")  # run as a script: vLLM's bench, reused
 
 
@@ -55,13 +89,9 @@ def bench_argv(
     """The arguments of ``vllm bench serve`` for one point, writing ``result`` (JSON)."""
     if point.dataset not in DATASETS:
         raise ValueError(f"vllm bench serve point: dataset {point.dataset!r} is not {DATASETS}")
-    prefix = point.input_len // 2 if point.dataset == "prefix" else 0
     argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
-    argv += ["--model", served_name, "--tokenizer", str(model_dir), "--dataset-name", "random"]
-    argv += ["--random-input-len", str(point.input_len - prefix), "--random-range-ratio", "0"]
-    if prefix:
-        argv += ["--random-prefix-len", str(prefix)]
-    argv += ["--random-output-len", str(point.output_len), "--ignore-eos", "--temperature", "0"]
+    argv += ["--model", served_name, "--tokenizer", str(model_dir), *_dataset_argv(point)]
+    argv += ["--ignore-eos", "--temperature", "0"]
     seed = point.seed % 2**32  # vLLM seeds numpy with it: 32 bits
     argv += ["--num-prompts", str(point.requests), "--seed", str(seed)]
     argv += ["--request-id-prefix", request_prefix, "--disable-tqdm"]

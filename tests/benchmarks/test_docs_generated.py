@@ -192,3 +192,13 @@ def test_routing_decision_md_is_what_the_committed_run_generates() -> None:
     body = route.table(results)
     doc = DOCS / "benchmarks" / "routing" / "decision.md"
     assert not docgen.update(doc, route.SECTION, body, route.REPORT_COMMAND, check=True)
+
+
+def test_routing_results_md_is_what_the_committed_run_generates() -> None:
+    """docs/benchmarks/routing/results.md (issue 32's reuse benchmark) from its results.json."""
+    from kvpush.benchmarks.serve import routing_report
+
+    folder = DOCS / "benchmarks" / "routing"
+    if not (folder / "results.json").exists():
+        pytest.skip("no routing benchmark run committed yet (docs/benchmarks/routing/results.json)")
+    assert not routing_report.write_doc(folder / "results.md", folder / "results.json", check=True)

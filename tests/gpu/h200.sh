@@ -17,7 +17,9 @@
 # (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
 # without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x; checksum-c1: c=1 only, 40
 # requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
-# load and faults, default 8, cut to fit the step's 585 s). Every step first unpacks the bundle
+# load and faults, default 8, cut to fit the step's 585 s), routing (issue 32: kvpush-routed,
+# kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
+# prefix-repetition tables, c=1 and 4, into routing; docs/benchmarks/routing/). Every step first unpacks the bundle
 # once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -87,6 +89,16 @@ checksum-c1)  # the same at c=1 only, 40 requests a system
         --out-dir "$out/checksum-c1" > "$out/checksum-c1.log" 2>&1
     echo "checksum-c1 rc=$?"; tail -8 "$out/checksum-c1.log"
     tar czf "$out/checksum-c1.tgz" -C "$out" checksum-c1 && rm -rf "$out/checksum-c1"
+    ;;
+routing)
+    # issue 32: three engines share the GPU (2 P + 1 D at 0.25 each; vllm-serve gets 0.5)
+    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
+        --client vllm --repeats 1 --output-len 64 --tables reuse50:8192,reuse90:8192 --qps "" \
+        --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 --time-budget 540 \
+        --systems "${SYSTEMS:-kvpush-routed,kvpush-least-loaded,vllm-serve,vllm-push}" \
+        --out-dir "$out/routing" > "$out/routing.log" 2>&1
+    echo "routing rc=$?"; tail -8 "$out/routing.log"
+    tar czf "$out/routing.tgz" -C "$out" routing && rm -rf "$out/routing"
     ;;
 engines)
     name=${SYSTEMS:?SYSTEMS=one,or,more}

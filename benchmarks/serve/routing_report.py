@@ -1,0 +1,139 @@
+"""The routing benchmark's tables (issue 32): TTFT per system and point, peers / kvpush-routed.
+
+``kvpush bench serve --systems kvpush-routed,kvpush-least-loaded,vllm-serve,... --tables
+reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writes
+``results.json``; ``body`` turns it into the section ``routing`` of
+``docs/benchmarks/routing/results.md`` (``kvpush.benchmarks.docgen`` markers; the prose
+around it is left alone): per table (reuse share, prompt length) one row per point and system
+with TTFT P50 and P99 (ms, median and [min-max] over repeats), then the ratios peer /
+``kvpush-routed`` of those medians (above 1: kvpush-routed is faster). Rows come from
+``summary.rows``, as ``kvpush bench report``'s do; nothing here depends on the time of day.
+
+Regenerate: ``python -m kvpush.benchmarks.serve.routing_report RESULTS DOC`` (``--check``:
+exit 1 when the doc differs from what the results generate).
+
+Threading model: pure functions, plus file reads and writes in ``write_doc`` and ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvpush.benchmarks import docgen
+from kvpush.benchmarks.serve import results as results_mod
+from kvpush.benchmarks.serve import summary
+from kvpush.benchmarks.serve.report import _cell, _point_label, _ratio
+from kvpush.benchmarks.serve.results import Document
+from kvpush.benchmarks.serve.summary import Row
+
+SECTION = "routing"
+ROUTED = "kvpush-routed"  # the reference of every ratio
+FIGURES = ("ttft_p50", "ttft_p99")
+REPORT_COMMAND = (
+    "python -m kvpush.benchmarks.serve.routing_report docs/benchmarks/routing/results.json"
+    " docs/benchmarks/routing/results.md"
+)
+TABLE_TITLES = {"reuse50": "50% reuse", "reuse90": "90% reuse", "prefix": "50% shared prefix"}
+
+
+def _median(row: Row | None, figure: str) -> float | None:
+    value = None if row is None else row.figures.get(figure)
+    return None if value is None else value.median
+
+
+def ratio_of(peer: Row, routed: Row | None, figure: str) -> float | None:
+    """``peer``'s median over ``routed``'s (above 1: routed is faster); None without both."""
+    ours, theirs = _median(routed, figure), _median(peer, figure)
+    if ours is None or theirs is None or ours <= 0:
+        return None
+    return theirs / ours
+
+
+def _meta_lines(document: Document) -> list[str]:
+    meta = document.meta
+    systems = ", ".join(
+        n for n, s in document.systems.items() if not isinstance(s, dict) or s.get("ok")
+    )
+    lines = [f"Systems: {systems or '—'}."]
+    keys = ("device", "model", "client", "repeats", "output_len")
+    shown = []
+    for key in keys:
+        value = meta.get(key)
+        if isinstance(value, dict):
+            value = value.get("name") or value.get("path")
+        if value not in (None, ""):
+            shown.append(f"{key.replace('_', ' ')} {value}")
+    if shown:
+        lines.append("Run: " + ", ".join(shown) + ".")
+    return [*lines, ""]
+
+
+def table_lines(dataset: str, input_len: int, rows: list[Row]) -> list[str]:
+    """One table's TTFT rows and, below, the ratios peer / kvpush-routed of each point."""
+    title = TABLE_TITLES.get(dataset, dataset)
+    lines = [f"### {title}, {input_len}-token prompts (`{dataset}:{input_len}`)", ""]
+    lines += [
+        "| point | system | TTFT P50 (ms) | TTFT P99 (ms) | done/err |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p50, p99 = (_cell(r.figures.get(f)) for f in FIGURES)
+        lines.append(
+            f"| {_point_label(r)} | {r.system} | {p50} | {p99} | {r.completed}/{r.errors} |"
+        )
+    lines.append("")
+    routed = {r.point: r for r in rows if r.system == ROUTED}
+    peers = [r for r in rows if r.system != ROUTED]
+    if not routed or not peers:
+        return lines
+    lines += [f"Ratios peer / {ROUTED} of the medians (above 1: {ROUTED} is faster):", ""]
+    lines += ["| point | peer | TTFT P50 | TTFT P99 |", "|---|---|---|---|"]
+    for r in peers:
+        cells = " | ".join(_ratio(ratio_of(r, routed.get(r.point), f)) for f in FIGURES)
+        lines.append(f"| {_point_label(r)} | {r.system} | {cells} |")
+    return [*lines, ""]
+
+
+def body(document: Document) -> str:
+    """The generated section (no markers)."""
+    all_rows = summary.rows(document)
+    lines = ["## Results (generated)", "", *_meta_lines(document)]
+    for dataset, input_len in summary.tables(document):
+        lines += table_lines(
+            dataset, input_len, [r for r in all_rows if r.table == (dataset, input_len)]
+        )
+    failed = {n: s for n, s in document.systems.items() if isinstance(s, dict) and not s.get("ok")}
+    if failed:
+        lines += ["Systems that failed to run:", ""]
+        for name, info in failed.items():
+            lines.append(f"- {name}: {str(info.get('error', '?')).splitlines()[0][:200]}")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_doc(doc_path: Path, results_path: Path, check: bool = False) -> bool:
+    """Write (``check``: compare) ``doc_path``'s section; True if the file changed."""
+    text = body(results_mod.load(results_path))
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    return docgen.update(doc_path, SECTION, text, REPORT_COMMAND, check)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("doc", type=Path)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        changed = write_doc(args.doc, args.results, args.check)
+    except docgen.DocOutOfDate as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{'wrote' if changed else 'unchanged:'} {args.doc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
