@@ -232,12 +232,7 @@ def render(document: Document, plots_prefix: str = "") -> str:
             [r for r in ratios if (r.dataset, r.input_len) == (dataset, input_len)]
         )
         lines += _breakdown_lines(rows)
-    failed = {n: s for n, s in document.systems.items() if isinstance(s, dict) and not s.get("ok")}
-    if failed:
-        lines += ["Systems that failed to run:", ""]
-        for name, info in failed.items():
-            lines.append(f"- {name}: {str(info.get('error', '?')).splitlines()[0][:200]}")
-        lines.append("")
+    lines += failed_lines(document)
     return "\n".join(lines)
 
 
@@ -325,3 +320,14 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render(document))
     return 0
+
+
+def failed_lines(document: Document) -> list[str]:
+    """The systems of ``document`` that failed to run, with the first line of each error."""
+    failed = {n: s for n, s in document.systems.items() if isinstance(s, dict) and not s.get("ok")}
+    if not failed:
+        return []
+    lines = ["Systems that failed to run:", ""]
+    for name, info in failed.items():
+        lines.append(f"- {name}: {str(info.get('error', '?')).splitlines()[0][:200]}")
+    return [*lines, ""]

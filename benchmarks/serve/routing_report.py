@@ -24,7 +24,7 @@ from pathlib import Path
 from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import results as results_mod
 from kvpush.benchmarks.serve import summary
-from kvpush.benchmarks.serve.report import _cell, _point_label, _ratio
+from kvpush.benchmarks.serve.report import _cell, _point_label, _ratio, failed_lines
 from kvpush.benchmarks.serve.results import Document
 from kvpush.benchmarks.serve.summary import Row
 
@@ -104,12 +104,7 @@ def body(document: Document) -> str:
         lines += table_lines(
             dataset, input_len, [r for r in all_rows if r.table == (dataset, input_len)]
         )
-    failed = {n: s for n, s in document.systems.items() if isinstance(s, dict) and not s.get("ok")}
-    if failed:
-        lines += ["Systems that failed to run:", ""]
-        for name, info in failed.items():
-            lines.append(f"- {name}: {str(info.get('error', '?')).splitlines()[0][:200]}")
-        lines.append("")
+    lines += failed_lines(document)
     return "\n".join(lines).rstrip() + "\n"
 
 
