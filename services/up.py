@@ -147,6 +147,8 @@ class Stack:
             options += ["--required-roles", "decode"]
         if cfg.local_threshold is not None:
             options += ["--local-threshold", str(cfg.local_threshold)]
+        if cfg.routing is not None:
+            options += ["--routing", str(getattr(cfg.routing, "value", cfg.routing))]
         vllm_args = list(cfg.vllm_args)
         if cfg.reasoning_parser:
             vllm_args.append(f"--reasoning-parser={cfg.reasoning_parser}")

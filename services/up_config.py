@@ -57,6 +57,7 @@ class UpConfig:
     max_inflight: int | None = None
     max_num_seqs: int | None = None
     local_threshold: int | None = None
+    routing: str | None = None  # the gateway's --routing (its default: routed)
     vllm_args: tuple[str, ...] = ()  # the gateway's `vllm serve` flags (its serving layer)
     engine_args: tuple[str, ...] = ()  # every worker's engine flags (`vllm serve`'s)
     prefill_engine_args: tuple[str, ...] = ()  # ... and those of one role's engines, after them
@@ -207,6 +208,7 @@ SETTINGS: tuple[Setting, ...] = (
     *(WORKER[name] for name in PASSED_TO_WORKERS),
     *(GATEWAY[name] for name in ("host", "port", "mode", "first_token")),
     GATEWAY["local_threshold"],
+    GATEWAY["routing"],
     GATEWAY["vllm_args"],
     WORKER["engine_args"],
     *(

@@ -19,8 +19,8 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
   per request between D-local prefill and the push) and
   ``kvpush-least-loaded`` (``--routing least-loaded``, ``--local-threshold 256``, the old
   default). Their requests name no mode (the policy chooses; some requests are local on
-  purpose), so their transfer check is ``none``. ``kvpush up`` has no ``--routing`` flag: the
-  policy reaches the gateway through its environment variable ``KVPUSH_ROUTING``.
+  purpose), so their transfer check is ``none``. The policy reaches the gateway through its
+  environment variable ``KVPUSH_ROUTING`` (``kvpush up --routing`` does the same).
 
 ``transfer`` says how ``checks.py`` verifies that each request's KV was moved: ``gateway``
 (the kvpush gateway's /metrics counters), ``proxy`` (the proxy's ``no_kv_params`` and D's cached

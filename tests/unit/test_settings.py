@@ -380,3 +380,22 @@ def test_an_engine_waits_for_its_turn_on_the_gpu(tmp_path) -> None:
     gate.touch()
     waiting.join(10)
     assert not waiting.is_alive() and len(said) == 1
+
+
+def test_kvpush_up_gives_its_routing_policy_to_the_gateway(tmp_path) -> None:
+    from kvpush.services.up import Stack
+
+    def gateway_routing(*flags: str) -> object:
+        up = UpConfig.from_args(parse(UP_SETTINGS, *flags, "--log-dir", str(tmp_path)), {})
+        stack = Stack(up)
+        stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+        stack._plan()
+        assert stack.gateway is not None
+        argv = stack.gateway.argv
+        gateway_args = argparse.ArgumentParser()
+        gateway_config.add_arguments(gateway_args)
+        cli_args = gateway_args.parse_args(argv[argv.index("gateway") + 1 :])
+        return gateway_config.GatewayConfig.from_args(cli_args, {}).routing
+
+    assert str(getattr(gateway_routing("--routing", "least-loaded"), "value", "")) == "least-loaded"
+    assert str(getattr(gateway_routing(), "value", "")) == "routed"  # the gateway's default
