@@ -199,11 +199,17 @@ class CacheMirror:
                 self.skipped["orphan"] += len(event.block_hashes)
                 return
             parent = known
-        ours = block_hashes(event.token_ids, event.block_size, parent)
-        for engine_hash, prefix_hash in zip(event.block_hashes, ours, strict=True):
-            if engine_hash in self._held:  # reused: refreshed below, already published
+        # a hit (vLLM's "full" report) repeats blocks already held: hash only from the first
+        # block not held, chained on the one before it (already published)
+        held, engine_hashes = self._held, event.block_hashes
+        first = next((i for i, h in enumerate(engine_hashes) if h not in held), len(engine_hashes))
+        if first:
+            parent = held[engine_hashes[first - 1]]
+        ours = block_hashes(event.token_ids[first * event.block_size :], event.block_size, parent)
+        for engine_hash, prefix_hash in zip(engine_hashes[first:], ours, strict=True):
+            if engine_hash in held:  # reused: refreshed below, already published
                 continue
-            if len(self._held) >= self.capacity:  # room first: the least recently used goes
+            if len(held) >= self.capacity:  # room first: the least recently used goes
                 changes.remove(self._held.popitem(last=False)[1])
             self._held[engine_hash] = prefix_hash
             changes.store(prefix_hash)
