@@ -95,6 +95,18 @@ class UpStack:
             parts.append(f"--- {path.name} ---\n" + "\n".join(tail))
         return "\n".join(parts)
 
+    def membership_lines(self) -> str:
+        """What the workers and the gateway logged about members leaving, stalls and aborts:
+        why a transfer fell back, when one did."""
+        marks = ("stalled", " left (", "aborting", "presumed dead", "failed_recving", "moves")
+        lines = [
+            f"{path.name}: {line}"
+            for path in sorted(self.log_dir.glob("*.log"))
+            for line in path.read_text(errors="replace").splitlines()
+            if any(mark in line for mark in marks)
+        ]
+        return "\n".join(lines[-40:]) or "(nothing logged about leaves, stalls or aborts)"
+
     def worker_pid(self, worker_id: str) -> int:
         for pid in child_pids(self.proc.pid):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

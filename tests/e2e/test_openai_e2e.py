@@ -79,7 +79,8 @@ async def assert_kv_received(stack: UpStack, moved: list[tuple[str, str]]) -> No
     """Each (response id, mode) was served with KV that D got from P: the gateway recorded it
     as "received" in that mode, not as a fallback to D computing the prompt itself."""
     expected = Counter((mode, "received") for _, mode in moved)
-    assert await stack.kv_outcomes([rid for rid, _ in moved]) == expected
+    outcomes = await stack.kv_outcomes([rid for rid, _ in moved])
+    assert outcomes == expected, stack.membership_lines()
 
 
 def error_of(exc: openai.APIStatusError) -> dict[str, Any]:

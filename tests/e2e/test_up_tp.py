@@ -4,7 +4,12 @@ exactly as it does in mode local, with the KV moved rank to rank by push and by 
 ``--prefill-tp 2 --decode-tp 1``: both P ranks write their KV heads into halves of D's blocks.
 
 Runs after test_openai_e2e.py has stopped the session's stack (its last test), so only this
-stack's engines share the box's two cores.
+stack's engines share the box's two cores. They are many for two cores (four or three rank
+processes, two workers with their engine threads, the gateway): a worker's loop can miss its
+heartbeats for over a second there, past the default 1.5 s lease, and then what it held is
+released and the transfer falls back, as it should. These tests are about moving KV rank to rank,
+not about that, so the workers state a lease of ``LEASE_S`` (``--lease-s``, the documented knob
+for a busy host).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ pytestmark = pytest.mark.engine
 
 STACKS = {"tp2": ("--tp", "2"), "p2-d1": ("--prefill-tp", "2", "--decode-tp", "1")}
 RANKS = {"tp2": {"prefill": 2, "decode": 2}, "p2-d1": {"prefill": 2, "decode": 1}}
+LEASE_S = "6"  # see the module docstring
 
 
 @pytest.fixture(scope="module", params=list(STACKS))
@@ -31,7 +37,8 @@ def tp_stack(
 ) -> Iterator[tuple[UpStack, dict[str, int]]]:
     """A stack and its ranks per role."""
     name = request.param
-    with run_up(tmp_path_factory.mktemp(f"kvpush-up-{name}"), *STACKS[name]) as stack:
+    log_dir = tmp_path_factory.mktemp(f"kvpush-up-{name}")
+    with run_up(log_dir, *STACKS[name], env={"KVPUSH_LEASE_S": LEASE_S}) as stack:
         yield stack, RANKS[name]
 
 
@@ -47,6 +54,7 @@ async def test_every_worker_announces_a_side_channel_per_rank(
             role = "prefill" if worker_id.startswith("prefill") else "decode"
             assert len(set(channels)) == ranks[role], (worker_id, channels)
             assert beats[-1].side_channel == channels[0]
+            assert beats[-1].lease_ms == int(float(LEASE_S) * 1000)  # the env reached it
     finally:
         await observer.close()
 
