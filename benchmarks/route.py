@@ -9,8 +9,9 @@ measurements first, so every decision scores every candidate (LOCAL on each D, p
 (P, D) pair) rather than the cold rule's few. For each prompt length and prefix-hit share (the
 share of the prompt's leading blocks one D and one P hold), ``route(token_ids)`` is timed
 ``--repeats`` times, one call at a time (heartbeats re-sent, untimed, every
-``BEAT_EVERY`` calls so the loads stay put); so is the prefix look-up alone (its share of the
-decision) and the least-loaded policy (no look-up, no scoring) for comparison.
+``BEAT_EVERY`` calls so the loads stay put), then again with the index at its bound (where a
+match also reorders the matched blocks: ``PrefixIndex.touches``); so is the prefix look-up alone
+(its share of the decision) and the least-loaded policy (no look-up, no scoring) for comparison.
 
 ``--out FILE`` writes the results as JSON; ``--report FILE [--doc DOC] [--check]`` prints (or
 writes into DOC's generated section) the table of a results file instead of running.
@@ -164,6 +165,18 @@ def _timed(call: Callable[[], object], repeats: int, between: Callable[[], None]
     return took
 
 
+def _at_the_bound(fleet: Fleet, call: Callable[[], object], repeats: int) -> list[float]:
+    """``call`` timed with the index at its bound (``max_blocks`` lowered to what it holds), where
+    a match also makes the matched blocks the newest (``PrefixIndex.touches``)."""
+    index = fleet.index
+    bound = index.max_blocks
+    index.max_blocks = len(index) + index.pending_drop
+    try:
+        return _timed(call, repeats, fleet.beat)
+    finally:
+        index.max_blocks = bound
+
+
 def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
     from kvpush.schemas.messages import TransferMode
     from kvpush.services.gateway.routing import Router, RoutingPolicy
@@ -192,6 +205,7 @@ def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
             route = routed.route(prompt)
             assert route.explanation is not None
             decide = _timed(lambda p=prompt: routed.route(p), repeats, fleet.beat)
+            at_bound = _at_the_bound(fleet, lambda p=prompt: routed.route(p), repeats)
             lookup = _timed(
                 lambda p=prompt: fleet.index.matched_tokens(p, ids), repeats, lambda: None
             )
@@ -203,6 +217,7 @@ def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
                     "cached_tokens": cached,
                     "p50_us": round(statistics.median(decide), 1),
                     "p99_us": round(_percentile(decide, 0.99), 1),
+                    "at_bound_p50_us": round(statistics.median(at_bound), 1),
                     "lookup_p50_us": round(statistics.median(lookup), 1),
                     "least_loaded_p50_us": round(statistics.median(plain), 1),
                     "choice": route.explanation.choice.candidate.label,
@@ -247,6 +262,7 @@ def table(results: dict[str, Any]) -> str:
             f"{c['hit_share']:.0%}",
             f"{c['p50_us']:.1f}",
             f"{c['p99_us']:.1f}",
+            f"{c['at_bound_p50_us']:.1f}" if "at_bound_p50_us" in c else "-",
             f"{c['lookup_p50_us']:.1f}",
             f"{c['least_loaded_p50_us']:.1f}",
             c["choice"],
@@ -259,6 +275,7 @@ def table(results: dict[str, Any]) -> str:
         "prefix hit",
         "decision P50, us",
         "P99, us",
+        "P50 at the index's bound, us",
         "of it: prefix look-up P50, us",
         "least-loaded P50, us",
         "choice",
@@ -271,8 +288,10 @@ def table(results: dict[str, Any]) -> str:
         f" ({meta['index_entries']} block entries, {meta['block_size']}-token blocks),"
         f" warm cost model (every candidate scored); {meta['repeats']} timed calls per row on"
         f" {meta['machine']} (Python {meta['python']}); run {meta['stamp']} at {meta['revision']}."
-        " The look-up hashes the prompt's blocks up to the first block no worker holds: it"
-        " grows with the matched prefix, the scoring does not."
+        " The look-up hashes the prompt's first block, and when some worker holds it the whole"
+        " prompt (it grows with the prompt, from one conversion of its token list); each"
+        " holder's depth is a binary search. At the index's bound (max_blocks lowered to what"
+        " it holds) a match also makes the matched blocks that worker's newest."
     )
     return docgen.table(head, rows) + "\n\n" + note
 

@@ -36,6 +36,7 @@ _MASK: Final = (1 << 64) - 1
 _SIGN: Final = 1 << 63
 _BASE_INV: Final = pow(BASE, -1, 1 << 64)
 TABLE_TOKENS: Final = 1 << 15  # powers kept for prompts up to this long (longer: computed)
+_WORD: Final = next(code for code in "LQ" if array(code).itemsize == 8)  # array's uint64
 
 
 def _powers(base: int, count: int) -> np.ndarray:
@@ -63,13 +64,20 @@ def _signed(value: int) -> int:
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
     """The hash of each whole block of ``token_ids`` chained from ``parent`` (the partial last
     block has none)."""
+    return chain_hashes(token_ids, block_size, parent).tolist()
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> np.ndarray:
+    """``block_hashes`` as an int64 array (a caller that reads a few of them skips the list:
+    ``chain.item(i)`` is the Python int)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, not {block_size}")
     whole = len(token_ids) - len(token_ids) % block_size
     if whole == 0:
-        return []
-    # a list of ints converts fastest through array('I') (token ids are below 2**32)
-    tokens = np.frombuffer(array("I", token_ids[:whole]), dtype=np.uint32)
+        return np.empty(0, dtype=np.int64)
+    # a list of ints converts fastest through array() of unsigned 64-bit words, whole (slicing
+    # the list first copies it); every token id is below 2**32
+    tokens = np.frombuffer(array(_WORD, token_ids), dtype=np.uint64)[:whole]
     if whole <= TABLE_TOKENS:
         powers, inverse = _POWERS[:whole], _INVERSE_POWERS[:whole]
         ones = _INVERSE_SUMS[block_size - 1 : whole : block_size]
@@ -77,9 +85,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) 
         powers, inverse = _powers(BASE, whole), _powers(_BASE_INV, whole)
         ones = _running_sums(inverse)[block_size - 1 :: block_size]
     # sum_j (t_j + 1) * BASE**-(j + 1) up to each block's end: the tokens' part, then the ones'
-    sums = np.cumsum(tokens * inverse, dtype=np.uint64)[block_size - 1 :: block_size] + ones
-    hashes = powers[block_size - 1 :: block_size] * (sums + np.uint64(parent & _MASK))
-    return hashes.astype(np.int64).tolist()
+    sums = np.cumsum(tokens * inverse, dtype=np.uint64)[block_size - 1 :: block_size]
+    sums += ones
+    sums += np.uint64(parent & _MASK)
+    sums *= powers[block_size - 1 :: block_size]
+    return sums.view(np.int64)
 
 
 def iter_block_hashes(

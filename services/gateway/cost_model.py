@@ -42,8 +42,9 @@ transfer: that is prefix-partial push. P computes what its own prefix cache lack
 request waits behind D's load as prefills; a disaggregated one waits on P's, and on D only for
 steps (its KV is computed elsewhere): a busy D with an idle P favours a transfer.
 
-The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``), so the
-router finds the cheapest pair in O(P + D) rather than O(P * D).
+The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``, each over
+the workers' ``view``, load and prompt tokens missing from their prefix cache), so the router
+finds the cheapest pair in O(P + D) rather than O(P * D).
 
 Threading model: the gateway's event loop only (learning and estimating); no locks.
 """
@@ -203,38 +204,36 @@ class CostModel:
         return self.push_tail_share.value if mode is TransferMode.PUSH else 1.0
 
     def prefill_parts(
-        self, prompt_tokens: int, ids: Sequence[str], loads: Sequence[int], hits: Sequence[int]
+        self, views: Sequence[WorkerView], loads: Sequence[int], missing: Sequence[int]
     ) -> list[float]:
-        """Each P's share of a push/pull estimate: its wait and its compute."""
-        parts = []
-        for worker_id, load, hit in zip(ids, loads, hits, strict=True):
-            w = self.view(worker_id)
-            parts.append(load * w.service_ms + max(prompt_tokens - hit, 0) * w.ms_per_token)
-        return parts
+        """Each P's share of a push/pull estimate: its wait and its compute. Per P: its ``view``,
+        its load, and the prompt tokens its prefix cache lacks (at least 0)."""
+        return [
+            load * w.service_ms + tokens * w.ms_per_token
+            for w, load, tokens in zip(views, loads, missing, strict=True)
+        ]
 
     def decode_parts(
         self,
         mode: TransferMode,
-        prompt_tokens: int,
-        ids: Sequence[str],
+        views: Sequence[WorkerView],
         loads: Sequence[int],
-        hits: Sequence[int],
+        missing: Sequence[int],
     ) -> list[float]:
         """Each D's share of an estimate: LOCAL's whole estimate; for push/pull, the hand-off,
-        the transfer's tail of what D lacks, and D's steps."""
-        parts = []
+        the transfer's tail of what D lacks, and D's steps. Per D: its ``view``, its load, and
+        the prompt tokens its prefix cache lacks (at least 0)."""
         if mode is TransferMode.LOCAL:
             base = self.local_overhead_ms.value
-            for worker_id, load, hit in zip(ids, loads, hits, strict=True):
-                w = self.view(worker_id)
-                compute = max(prompt_tokens - hit, 0) * w.ms_per_token
-                parts.append(base + load * w.service_ms + compute)
-            return parts
+            return [
+                base + load * w.service_ms + tokens * w.ms_per_token
+                for w, load, tokens in zip(views, loads, missing, strict=True)
+            ]
         base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
-        for worker_id, load, hit in zip(ids, loads, hits, strict=True):
-            step_ms = self.view(worker_id).step_ms
-            parts.append(base + max(prompt_tokens - hit, 0) * tail_per_token + (1 + load) * step_ms)
-        return parts
+        return [
+            base + tokens * tail_per_token + (1 + load) * w.step_ms
+            for w, load, tokens in zip(views, loads, missing, strict=True)
+        ]
 
     def estimate(self, c: Candidate) -> Estimate:
         """``c``'s estimated TTFT (ms) and its terms; see the module docstring."""

@@ -4,10 +4,10 @@ Built from the workers' ``CacheEvents`` (``kvpush.v1.cache.<role>.<worker>``: wh
 cache stored and dropped, as chained prefix hashes of ``schemas/prefix.py``), it keeps each
 worker's hashes in an ``OrderedDict``, least recently stored or matched first.
 ``matched_tokens`` (``routing.PrefixLookup``, which the router asks) hashes a prompt's blocks
-and counts, per asked worker, the leading blocks it holds; the blocks it matched become that
-worker's newest (LRU), the chain's first block last, so the leaves of a shared prefix go before
-its root (as vLLM frees a request's blocks: last block first; a message's stored hashes are
-taken in that order too).
+and finds, per asked worker, the leading blocks it holds (a binary search over the prompt's
+chain); near the index's bounds the blocks it matched become that worker's newest (LRU), the
+chain's first block last, so the leaves of a shared prefix go before its root (as vLLM frees a
+request's blocks: last block first; a message's stored hashes are taken in that order too).
 
 Consistency: a worker's messages carry its ``epoch`` and a ``seq`` (from 0 per epoch). A worker
 that joins the membership (``joined``: the gateway or the worker starts, the worker restarts or
@@ -47,12 +47,13 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpush.schemas.messages import CacheEvents
-from kvpush.schemas.prefix import block_hashes
+from kvpush.schemas.prefix import BlockHasher, chain_hashes
 
 DEFAULT_MAX_BLOCKS: Final = 500_000  # about 140 bytes each: 70 MB at most
 MAX_WORKERS: Final = 4096
 SYNC_INTERVAL_S: Final = 1.0  # a worker is asked for a snapshot at most this often
 DRAIN_CHUNK: Final = 4096  # dropped entries freed per apply
+TOUCH_FROM: Final = 0.9  # share of max_blocks from which a match makes its blocks the newest
 
 Hashes = OrderedDict[int, None]  # least recently stored or matched first
 
@@ -128,29 +129,48 @@ class PrefixIndex:
     def matched_tokens(self, token_ids: Sequence[int], workers: Iterable[str]) -> dict[str, int]:
         """Leading tokens of ``token_ids`` (whole blocks) each of ``workers`` holds, by worker
         id; workers holding none are left out. The first block is hashed alone (a prompt no
-        worker holds costs one block's hash); the rest at once (``schemas.prefix``), then each
-        worker holding the first block counts its leading held blocks (C-speed membership
-        tests over its own hashes), up to its first missing one, and makes them its newest
-        (C-speed moves: the cost of the hit blocks only)."""
+        worker holds costs one block's hash); for the workers holding it, the prompt's whole
+        chain at once (``schemas.prefix.chain_hashes``), and each one's depth is found by a
+        binary search over the chain: O(log blocks) look-ups, not one per block. That reads a
+        worker's chain as held from its root up to some block, as vLLM keeps it (it frees a
+        request's blocks last first, so a chain loses its tail first); a hole in a chain (the
+        index's own eviction, or an unusual eviction in the engine) can make the count stop
+        before it or run past it. Routing reads this as an estimate: the engine checks its own
+        hashes before it reuses a block. Near the index's bounds (``touches``) the matched
+        blocks become the worker's newest, the chain's root last."""
         block_size = self.block_size
         if not block_size or len(token_ids) < block_size:
             return {}
-        first = block_hashes(token_ids[:block_size], block_size)[0]
+        first = BlockHasher(block_size).feed(token_ids[:block_size])  # faster than numpy's
         caches = self._workers
         wanted = [(w, c) for w in workers if (c := caches.get(w)) is not None and first in c.hashes]
         if not wanted:
             return {}
-        whole = len(token_ids) - len(token_ids) % block_size
-        rest = block_hashes(token_ids[block_size:whole], block_size, first)
+        chain = chain_hashes(token_ids, block_size)
         matched: dict[str, int] = {}
         for worker, cache in wanted:
             hashes = cache.hashes
-            held = list(map(hashes.__contains__, rest))
-            more = held.index(False) if False in held else len(held)
-            matched[worker] = (1 + more) * block_size
-            deque(map(hashes.move_to_end, reversed(rest[:more])), maxlen=0)  # leaves first ...
-            hashes.move_to_end(first)  # ... the root newest: the last of the chain to go
+            held, missing = 1, len(chain) + 1  # chain[:held] is held; chain[missing - 1] is not
+            while missing - held > 1:
+                middle = (held + missing) // 2
+                if chain.item(middle - 1) in hashes:
+                    held = middle
+                else:
+                    missing = middle
+            matched[worker] = held * block_size
+            if self.touches(cache):
+                leaves = chain[1:held].tolist()
+                deque(map(hashes.move_to_end, reversed(leaves)), maxlen=0)  # leaves first ...
+                hashes.move_to_end(first)  # ... the root newest: the last of the chain to go
         return matched
+
+    def touches(self, cache: WorkerCache) -> bool:
+        """Whether a match reorders the worker's entries: only near a bound, where the index
+        evicts its least recently stored or matched entries (``TOUCH_FROM`` of ``max_blocks``
+        in all, or the worker at its own bound); below them the order decides nothing."""
+        if len(cache.hashes) >= cache.capacity:
+            return True
+        return self._entries + self._dropped_entries >= self.max_blocks * TOUCH_FROM
 
     # ---- membership ---------------------------------------------------------------------------
     def set_capacity(self, worker_id: str, total_blocks: int) -> None:

@@ -6,7 +6,8 @@ every (P, D) pair. An estimate is a P part plus a D part (``CostModel.prefill_pa
 ``decode_parts``), so the cheapest pair is the cheapest P with the cheapest D: O(P + D) parts,
 then full estimates (with their terms) only for the choice and its ``ALTERNATIVES`` runners-up.
 Equal costs go to the least-loaded worker, as the least-loaded policy orders them
-(``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work).
+(``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work). Each
+worker's heartbeat, load and ``CostModel.view`` are read once per decision, whatever the modes.
 
 ``RouteExplanation`` is what the trace and metrics show: the reason the candidates were what
 they were (``RouteReason``), the chosen estimate, the runners-up, the prefix tokens matched on
@@ -55,6 +56,8 @@ class LiveWorker(Protocol):
 
 
 W = TypeVar("W", bound=LiveWorker)
+_DecodeKey = tuple[int, int, float]  # decode_order's
+_PrefillKey = tuple[int, float]  # prefill_order's
 
 
 def decode_order(state: LiveWorker) -> tuple[int, int, float]:
@@ -117,41 +120,53 @@ def choose(
 ) -> Choice[W]:
     """The cheapest candidate of ``modes`` over the given live workers (``decodes`` non-empty;
     ``prefills`` non-empty when a mode other than LOCAL is allowed)."""
-    most = prompt_tokens - 1  # vLLM computes the prompt's last token whatever its cache holds
-    d_ids = [d.heartbeat.worker_id for d in decodes]
-    d_loads = [d.load for d in decodes]
-    d_hits = [max(0, min(hits.get(w, 0), most)) for w in d_ids]
-    d_keys = [
-        (n, -d.heartbeat.free_blocks, d.last_pick) for n, d in zip(d_loads, decodes, strict=True)
-    ]
+    # each worker's heartbeat, load and view are read once, for every mode; its key is its
+    # place in the least-loaded order (as decode_order and prefill_order make it)
+    d_ids: list[str] = []
+    d_loads: list[int] = []
+    d_keys: list[_DecodeKey] = []
+    for d in decodes:
+        beat, load = d.heartbeat, d.load
+        d_ids.append(beat.worker_id)
+        d_loads.append(load)
+        d_keys.append((load, -beat.free_blocks, d.last_pick))
+    d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
+    d_views = [model.view(w) for w in d_ids]
     p_ids: list[str] = []
     p_loads: list[int] = []
     p_hits: list[int] = []
-    p_ranked: list[tuple[float, tuple[int, float], int]] = []
-    # (estimate, mode rank, tie-break, P index or -1, D index): the cheapest is the smallest
-    ranked: list[tuple[float, int, tuple[object, ...], int, int]] = []
+    p_ranked: list[tuple[float, _PrefillKey, int]] = []
+    # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
+    # LOCAL's P key is () and its P index -1
+    ranked: list[tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]] = []
     for mode in modes:
-        parts = model.decode_parts(mode, prompt_tokens, d_ids, d_loads, d_hits)
+        parts = model.decode_parts(mode, d_views, d_loads, d_missing)
         d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         if mode is TransferMode.LOCAL:
-            ranked += [(cost, 0, key, -1, i) for cost, key, i in d_ranked]
+            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_ranked]
             continue
         if not p_ranked:
-            p_ids = [p.heartbeat.worker_id for p in prefills]
-            p_loads = [p.load for p in prefills]
-            p_hits = [max(0, min(hits.get(w, 0), most)) for w in p_ids]
-            p_parts = model.prefill_parts(prompt_tokens, p_ids, p_loads, p_hits)
-            p_keys = [(n, p.last_pick) for n, p in zip(p_loads, prefills, strict=True)]
+            p_keys: list[_PrefillKey] = []
+            for p in prefills:
+                load = p.load
+                p_ids.append(p.heartbeat.worker_id)
+                p_loads.append(load)
+                p_keys.append((load, p.last_pick))
+            p_hits, p_missing = _prefix_hits(hits, p_ids, prompt_tokens)
+            p_views = [model.view(w) for w in p_ids]
+            p_parts = model.prefill_parts(p_views, p_loads, p_missing)
             p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
                 : ALTERNATIVES + 1
             ]
         rank = 1 if mode is TransferMode.PUSH else 2
-        for p_cost, p_key, j in p_ranked:
-            for d_cost, d_key, i in d_ranked:
-                ranked.append((p_cost + d_cost, rank, (d_key, p_key), j, i))
+        ranked += [
+            (p_cost + d_cost, rank, d_key, p_key, j, i)
+            for p_cost, p_key, j in p_ranked
+            for d_cost, d_key, i in d_ranked
+        ]
     ranked.sort()
     estimates: list[Estimate] = []
-    for cost, rank, _, j, i in ranked[: ALTERNATIVES + 1]:
+    for cost, rank, _, _, j, i in ranked[: ALTERNATIVES + 1]:
         if j < 0:
             candidate = Candidate(
                 TransferMode.LOCAL, d_ids[i], d_loads[i], d_hits[i], prompt_tokens
@@ -170,9 +185,22 @@ def choose(
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))
-    _, _, _, best_p, best_d = ranked[0]
+    _, _, _, _, best_p, best_d = ranked[0]
     prefill = prefills[best_p] if best_p >= 0 else None
     return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]))
+
+
+def _prefix_hits(
+    hits: Mapping[str, int], worker_ids: Sequence[str], prompt_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Each worker's prefix hit on the prompt (0 where ``hits`` has none; never the prompt's
+    last token: vLLM computes it whatever its cache holds) and the prompt tokens it lacks."""
+    whole = max(prompt_tokens, 0)
+    if not hits:
+        return [0] * len(worker_ids), [whole] * len(worker_ids)
+    most = prompt_tokens - 1
+    found = [max(0, min(hits.get(w, 0), most)) for w in worker_ids]
+    return found, [whole - hit for hit in found]
 
 
 def record_decision(

@@ -15,6 +15,7 @@ def test_a_small_run_measures_every_case_with_its_prefix_hit() -> None:
         expected = int(case["prompt_tokens"] * case["hit_share"]) // route.BLOCK_SIZE
         assert case["cached_tokens"] == expected * route.BLOCK_SIZE
         assert case["reason"] == "cost" and case["p50_us"] > 0 and case["lookup_p50_us"] > 0
+        assert case["at_bound_p50_us"] > 0
         assert case["choice"].split()[0] in ("local", "push")  # a push deployment
     assert results["meta"]["index_entries"] > 0
     assert "| 8192 | 90% |" in route.table(results)

@@ -60,10 +60,25 @@ def test_stored_blocks_match_whole_leading_blocks_per_worker() -> None:
     assert t.asked == []  # every worker's history is known: no sync
 
 
-def test_a_hole_in_the_chain_ends_the_match() -> None:
+def test_a_chain_counts_from_its_root() -> None:
     t = Index()
-    t.snapshot("d0", [OURS[0], OURS[2], OURS[3]])
-    assert t.match() == {"d0": 4}
+    t.snapshot("d0", OURS[1:])  # every block but the first: vLLM would reuse none of them
+    assert t.match() == {}
+    # a hole inside a chain is read as held (the depth is a binary search over the chain, which
+    # a worker holds from its root up: vLLM evicts a chain's tail first); an estimate only
+    t.snapshot("d1", [OURS[0], OURS[2], OURS[3]])
+    assert t.match() == {"d1": 16}
+
+
+def test_a_long_prompt_finds_each_depth() -> None:
+    long_prompt = list(range(1, 4 * 300 + 3))  # 300 whole blocks and a partial one
+    chain = block_hashes(long_prompt, BS)
+    t = Index()
+    for depth in (1, 2, 7, 128, 299, 300):
+        t.snapshot(f"d{depth}", chain[:depth])
+    workers = tuple(f"d{depth}" for depth in (1, 2, 7, 128, 299, 300))
+    found = t.index.matched_tokens(long_prompt, workers)
+    assert found == {f"d{depth}": depth * BS for depth in (1, 2, 7, 128, 299, 300)}
 
 
 def test_removed_and_cleared() -> None:
@@ -265,6 +280,16 @@ def test_a_matched_prefix_outlives_entries_stored_after_it() -> None:
     t.index.apply(events("d0", 2, stored=[5, 6]))  # the least recently used go: OTHER
     assert t.match(workers=("d0",)) == {"d0": 16}
     assert t.match([9, 9, 9, 9, 8, 8, 8, 8], ("d0",)) == {}
+    assert t.index.stats.evicted == 2
+
+
+def test_a_match_near_the_bound_outlives_entries_stored_after_it() -> None:
+    t = Index(max_blocks=10)
+    t.snapshot("d0", OURS)  # stored first: the oldest
+    t.index.apply(events("d0", 1, stored=[21, 22, 23, 24, 25]))  # 9 entries: 90 % of the bound
+    assert t.match(workers=("d0",)) == {"d0": 16}  # near the bound a match is a use
+    t.index.apply(events("d0", 2, stored=[26, 27, 28]))  # three evicted: the oldest unmatched
+    assert t.match(workers=("d0",)) == {"d0": 16}
     assert t.index.stats.evicted == 2
 
 
