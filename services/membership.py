@@ -15,7 +15,10 @@ member, a new epoch, or a gone one heard again), ``left`` (the member is gone; i
 why). Peers release what a gone member held from ``left``: the gateway moves or fails the
 requests routed to it, decode fails what a dead P was sending it (its side channel is probed at
 once), prefill aborts what it was pushing into a dead D. A heartbeat of an older epoch than the
-member's is a late one of a previous incarnation and is ignored. A heartbeat of the same epoch
+member's is a late one of a previous incarnation and is ignored. A heartbeat that arrives past
+the lease but was sent within it of the member's last one (by the sender's ``sent_at_ms``: one
+clock) was read late, because this side's loop stalled: the member stays (a worker stopped
+meanwhile sends its next beat past its lease). A heartbeat of the same epoch
 after ``GONE`` (a worker stopped past its lease, or cut off from the bus, then back) joins
 again as a new member: what it held was released on the peers, and the worker itself aborts
 what it held when it finds its own heartbeats stalled past its lease (``worker.py``).
@@ -96,6 +99,16 @@ class Listeners:
     left: list[Callable[[Member], None]] = field(default_factory=list)
 
 
+def _sent_in_time(member: Member, beat: WorkerHeartbeat, lease_s: float) -> bool:
+    """Whether ``beat`` was sent within the member's lease of its last one, by the sender's own
+    clock (one clock: no skew): then it came late because this side read it late (its loop
+    stalled), and the member never left."""
+    last = member.heartbeat
+    if beat.epoch != last.epoch or not beat.sent_at_ms or not last.sent_at_ms:
+        return False
+    return 0 <= beat.sent_at_ms - last.sent_at_ms <= lease_s * 1000
+
+
 class Membership:
     """Who is alive, by role; see the module docstring."""
 
@@ -131,7 +144,7 @@ class Membership:
         member = self._members.get(key)
         if member is not None and beat.epoch < member.heartbeat.epoch:
             return None  # a late heartbeat of a previous incarnation
-        if member is not None and now - member.seen_at > member.lease_s(self.lease_s):
+        if member is not None and self._silent_past_lease(member, beat, now):
             self._leave(member, LeaveReason.EXPIRED)  # before this beat (no tick in between)
         if member is not None and beat.epoch == member.heartbeat.epoch:
             if member.state is not MemberState.GONE:
@@ -153,6 +166,12 @@ class Membership:
         for call in self.listeners.joined:
             call(member)
         return member
+
+    def _silent_past_lease(self, member: Member, beat: WorkerHeartbeat, now: float) -> bool:
+        """The member's lease ran out before ``beat`` came, and ``beat`` was not sent in time
+        (``_sent_in_time``: then this side only read it late)."""
+        lease_s = member.lease_s(self.lease_s)
+        return now - member.seen_at > lease_s and not _sent_in_time(member, beat, lease_s)
 
     def tick(self) -> None:
         """Expire the members whose lease ran out (the owner's timer calls it every ``tick_s``)."""

@@ -3,7 +3,9 @@ decode workers (``services.membership``, the view the gateway keeps too).
 
 ``PeerWatch`` seeds a ``Membership`` of one role from the JetStream registry (each entry aged by
 its ``sent_at_ms``), subscribes to ``kvpush.v1.heartbeat.<role>.*`` and ticks it every quarter
-lease, so a dead peer's ``left`` listeners run within its lease plus one tick. The worker's
+lease, so a dead peer's ``left`` listeners run within its lease plus one tick; a tick that comes
+late by half a lease or more (this worker's own loop stalled) judges no one, since the peers'
+heartbeats of that time are still unread (one tick later, they are). The worker's
 listeners release what the gone peer held: decode probes a dead prefill worker's side channels
 (the connector fails what it was sending, and D computes those prompts itself), prefill aborts
 what it was pushing into a dead decode worker (its source blocks are freed at once).
@@ -69,6 +71,14 @@ class PeerWatch:
             self.view.observe(message)
 
     async def _tick(self) -> None:
+        due = time.monotonic() + self.view.tick_s
         while True:
-            await asyncio.sleep(self.view.tick_s)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            late_s, due = now - due, now + self.view.tick_s
+            if late_s > self.view.lease_s / 2:
+                # this loop stalled (our own worker was stopped or blocked): the peers'
+                # heartbeats that came meanwhile wait in the socket and are read before the
+                # next tick judges anyone gone
+                continue
             self.view.tick()

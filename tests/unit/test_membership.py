@@ -64,11 +64,26 @@ def test_a_restart_is_a_leave_then_a_join_and_late_beats_are_ignored() -> None:
 
 def test_a_worker_stopped_past_its_lease_leaves_then_joins_again_as_a_new_member() -> None:
     view, clock, events = membership(lease_s=2.0)
-    view.observe(beat(P, "p0", epoch=7))
+    view.observe(beat(P, "p0", epoch=7, sent_at_ms=50_000))
     clock.now += 3.0
-    view.observe(beat(P, "p0", epoch=7))  # SIGCONT before any tick: it left all the same
+    # SIGCONT before any tick: its next beat is sent 3 s after the last, it left all the same
+    view.observe(beat(P, "p0", epoch=7, sent_at_ms=53_000))
     assert [e for e, _ in events] == ["joined", "left", "joined"] and view.rejoined == 1
     assert events[1][1] is not events[2][1] and ids(view, P) == ["p0"]
+
+
+def test_beats_sent_in_time_but_read_late_keep_the_member() -> None:
+    """This side's loop stalled 3 s: the beats the worker sent meanwhile, every 0.5 s by its own
+    clock, are read at once after the stall, past the lease by this side's: it never left."""
+    view, clock, events = membership(lease_s=2.0)
+    view.observe(beat(D, "d0", sent_at_ms=50_000))
+    clock.now += 3.0
+    for sent in (50_500, 51_000, 51_500, 52_000, 52_500, 53_000):
+        view.observe(beat(D, "d0", sent_at_ms=sent))
+    assert [e for e, _ in events] == ["joined"] and ids(view, D) == ["d0"]
+    clock.now += 2.5  # then silent past the lease: gone, as ever
+    view.tick()
+    assert [e for e, _ in events] == ["joined", "left"]
 
 
 def test_a_worker_states_its_own_lease_and_registry_entries_are_aged() -> None:
