@@ -117,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DATASET:LEN,...",
         help=f"the tables to measure (default {DEFAULT_TABLES}; --client vllm:"
         f" {VLLM_CLIENT_TABLES}); DATASET is random, sonnet"
-        " (--client kvpush) or prefix (--client vllm: half of each prompt shared)",
+        " (--client kvpush) or, with --client vllm, prefix (half of each prompt shared),"
+        " reuse50 / reuse90 (vLLM's prefix-repetition dataset) or chat (multi-turn"
+        " conversations sharing a system prompt)",
     )
     add(
         "--input-lens",
@@ -188,9 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--client",
         default=None,
         choices=("kvpush", "vllm"),
-        help="who sends each point's load: vllm (`vllm bench serve`, vLLM's own client: random"
-        " and prefix tables) or kvpush (its load generator: random and sonnet tables, token-id"
-        " prompts) (default: vllm on cuda, kvpush on cpu)",
+        help="who sends each point's load: vllm (`vllm bench serve`, vLLM's own client: random,"
+        " prefix, reuse and chat tables) or kvpush (its load generator: random and sonnet"
+        " tables, token-id prompts) (default: vllm on cuda, kvpush on cpu)",
     )
     add("--out-dir", default="bench-results/serve", help="results.json/.md and plots go here")
     add(

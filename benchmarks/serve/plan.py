@@ -3,9 +3,10 @@
 A *table* is one (dataset, input length), e.g. ``random:2048`` or ``sonnet:2048``: every system
 runs every point of it. ``reuse50:1024`` / ``reuse90:1024`` (issue 32, vLLM's client only):
 vLLM bench's prefix-repetition dataset with 50% / 90% of each prompt a prefix that other
-requests of the point share (``vllm_client.py``). ``--tables`` lists them; without it,
-``--datasets`` x ``--input-lens`` (their cross product), and without those the committed set
-(``DEFAULT_TABLES``).
+requests of the point share (``vllm_client.py``); ``chat:1024``: multi-turn conversations
+sharing a system prompt, each turn resending the conversation (``chat_workload.py``).
+``--tables`` lists them; without it, ``--datasets`` x ``--input-lens`` (their cross product),
+and without those the committed set (``DEFAULT_TABLES``).
 
 A *point* has an id that names it independently of what else the run measures: ``0.25x`` (a
 Poisson rate at that fraction of the prefill capacity probed at the table's input length),
@@ -42,9 +43,11 @@ from kvpush.services.settings import ConfigError
 from kvpush.services.workers.config import resolve_device
 
 REUSE_DATASETS = {"reuse50": 0.5, "reuse90": 0.9}  # name -> prefix share of each prompt
-DATASETS = ("random", "sonnet", "prefix", *REUSE_DATASETS)  # prefix, reuse*: vLLM's client only
+CHAT_DATASET = "chat"  # multi-turn conversations sharing a system prompt (chat_workload.py)
+# prefix, reuse*, chat: vLLM's client only
+DATASETS = ("random", "sonnet", "prefix", *REUSE_DATASETS, CHAT_DATASET)
 CLIENT_DATASETS = {  # the datasets each client can send (vllm_client.py, loadgen.py)
-    "vllm": ("random", "prefix", *REUSE_DATASETS),
+    "vllm": ("random", "prefix", *REUSE_DATASETS, CHAT_DATASET),
     "kvpush": ("random", "sonnet"),
 }
 CLIENTS = ("kvpush", "vllm")  # who sends the load: loadgen.py, or `vllm bench serve`

@@ -35,7 +35,12 @@ REPORT_COMMAND = (
     "python -m kvpush.benchmarks.serve.routing_report docs/benchmarks/routing/results.json"
     " docs/benchmarks/routing/results.md"
 )
-TABLE_TITLES = {"reuse50": "50% reuse", "reuse90": "90% reuse", "prefix": "50% shared prefix"}
+TABLE_TITLES = {
+    "reuse50": "50% reuse",
+    "reuse90": "90% reuse",
+    "chat": "multi-turn chat, shared system prompt",
+    "prefix": "50% shared prefix",
+}
 
 
 def _median(row: Row | None, figure: str) -> float | None:

@@ -8,7 +8,10 @@ so prefix caches take part), ``--random-range-ratio 0`` (exact lengths); ``reuse
 (issue 32): ``--dataset-name prefix_repetition`` instead, that share of the length a prefix
 (``--prefix-repetition-prefix-len``, the rest ``-suffix-len``) repeated by the point's requests
 in ``reuse_prefixes`` groups (``-num-prefixes``, shuffled: requests of a group arrive apart,
-as turns of one conversation do); the point's output length with ``--ignore-eos``, greedy
+as turns of one conversation do); ``chat`` (issue 32): the multi-turn chat workload of
+``chat_workload.py``, written per point as vLLM bench's custom dataset (``--dataset-name
+custom``, ``--disable-shuffle``: sent turn by turn); the point's output length with
+``--ignore-eos``, greedy
 (``--temperature 0``), ``--seed`` the point's seed (to 32 bits, as numpy takes it; every
 system the same prompts, every point and repeat prompts of its
 own), Poisson arrivals at the
@@ -40,11 +43,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvpush.benchmarks.serve import chat_workload
 from kvpush.benchmarks.serve.loadgen import LoadPoint, RequestResult
-from kvpush.benchmarks.serve.plan import REUSE_DATASETS
+from kvpush.benchmarks.serve.plan import CHAT_DATASET, REUSE_DATASETS
 from kvpush.benchmarks.serve.vllm_systems import SITE_DIR
 
-DATASETS = ("random", "prefix", *REUSE_DATASETS)
+DATASETS = ("random", "prefix", *REUSE_DATASETS, CHAT_DATASET)
 REUSE_GROUP_MAX = 4  # at most this many shared prefixes per reuse point
 
 
@@ -56,8 +60,15 @@ def reuse_prefixes(requests: int) -> int:
     )
 
 
-def _dataset_argv(point: LoadPoint) -> list[str]:
-    """``vllm bench serve``'s dataset arguments of the point (lengths and output length)."""
+def _dataset_argv(point: LoadPoint, chat_path: Path | None = None) -> list[str]:
+    """``vllm bench serve``'s dataset arguments of the point (lengths and output length;
+    ``chat``: the custom dataset at ``chat_path``, in its order)."""
+    if point.dataset == CHAT_DATASET:
+        if chat_path is None:
+            raise ValueError("a chat point needs its dataset file (chat_workload.write_dataset)")
+        argv = ["--dataset-name", "custom", "--dataset-path", str(chat_path)]
+        argv += ["--disable-shuffle", "--skip-chat-template"]
+        return [*argv, "--custom-output-len", str(point.output_len)]
     share = REUSE_DATASETS.get(point.dataset)
     if share is not None:
         prefix = round(point.input_len * share)
@@ -85,12 +96,14 @@ def bench_argv(
     result: Path,
     request_prefix: str,
     extra: Mapping[str, Any] | None = None,
+    chat_path: Path | None = None,
 ) -> list[str]:
     """The arguments of ``vllm bench serve`` for one point, writing ``result`` (JSON)."""
     if point.dataset not in DATASETS:
         raise ValueError(f"vllm bench serve point: dataset {point.dataset!r} is not {DATASETS}")
     argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
-    argv += ["--model", served_name, "--tokenizer", str(model_dir), *_dataset_argv(point)]
+    argv += ["--model", served_name, "--tokenizer", str(model_dir)]
+    argv += _dataset_argv(point, chat_path)
     argv += ["--ignore-eos", "--temperature", "0"]
     seed = point.seed % 2**32  # vLLM seeds numpy with it: 32 bits
     argv += ["--num-prompts", str(point.requests), "--seed", str(seed)]
@@ -213,7 +226,17 @@ async def run_point(
     work_dir.mkdir(parents=True, exist_ok=True)
     result = work_dir / f"{request_prefix.rstrip('-')}.json"
     result.unlink(missing_ok=True)
-    argv = bench_argv(url, served_name, model_dir, point, result, request_prefix, extra)
+    chat_path = None
+    if point.dataset == CHAT_DATASET:
+        chat_path = chat_workload.write_dataset(
+            result.with_suffix(".chat.jsonl"),
+            point.input_len,
+            point.requests,
+            point.output_len,
+            point.seed,
+            chat_workload.tokenizer_counter(model_dir),
+        )
+    argv = bench_argv(url, served_name, model_dir, point, result, request_prefix, extra, chat_path)
     log = work_dir / f"{result.stem}.log"
     log.unlink(missing_ok=True)
     answer = await client.run(argv, log, timeout_s)

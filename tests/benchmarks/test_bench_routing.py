@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from kvpush.benchmarks import docgen
-from kvpush.benchmarks.serve import add_arguments, plan, results, routing_report, vllm_client
+from kvpush.benchmarks.serve import (
+    add_arguments,
+    chat_workload,
+    plan,
+    results,
+    routing_report,
+    vllm_client,
+)
 from kvpush.benchmarks.serve.loadgen import LoadPoint
 from kvpush.benchmarks.serve.systems import (
     KVPUSH_SYSTEMS,
@@ -145,6 +152,64 @@ def test_vllm_s_own_parser_accepts_a_reuse_point(tmp_path: Path) -> None:
         for flag in argv:
             if flag.startswith("--prefix-repetition-"):
                 assert f'"{flag}"' in text, flag
+
+
+# -- the multi-turn chat workload ---------------------------------------------------------------
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def test_chat_turns_resend_their_conversation_after_one_system_prompt() -> None:
+    prompts = chat_workload.conversations(1024, 10, seed=5, count_tokens=_words)
+    assert len(prompts) == 10  # three conversations of four turns, cut to ten requests
+    system = prompts[0][: prompts[0].index("User:")]
+    assert all(p.startswith(system) for p in prompts)
+    conversations = 3
+    turns = chat_workload.TURNS
+    for i, prompt in enumerate(prompts[conversations:], start=conversations):
+        previous = prompts[i - conversations]  # the same conversation's previous turn
+        assert prompt.startswith(previous + "Assistant:\n")
+        assert prompt.count("User:") == i // conversations + 1 <= turns
+    assert len({p[len(system) :].split("\n")[1] for p in prompts[:conversations]}) == 3
+    last = chat_workload.conversations(1024, 4, seed=5, count_tokens=_words)[-1]
+    assert 1024 * 0.95 <= _words(last) <= 1024 * 1.05  # each part cut to its length, + roles
+    assert chat_workload.conversations(1024, 10, 5, _words) == prompts  # seeded
+
+
+def test_a_chat_point_is_vllm_s_custom_dataset_read_in_its_order(tmp_path: Path) -> None:
+    point = LoadPoint("chat", 512, 8, concurrency=2, output_len=16, seed=3)
+    path = chat_workload.write_dataset(tmp_path / "c.jsonl", 512, 8, 16, 3, _words)
+    argv = vllm_client.bench_argv(
+        "http://h:1", "m", tmp_path, point, tmp_path / "r.json", "p-", chat_path=path
+    )
+    assert _value(argv, "--dataset-name") == "custom"
+    assert _value(argv, "--dataset-path") == str(path)
+    assert _value(argv, "--custom-output-len") == "16"
+    assert {"--disable-shuffle", "--skip-chat-template"} <= set(argv)
+    with pytest.raises(ValueError, match="dataset file"):
+        vllm_client.bench_argv("http://h:1", "m", tmp_path, point, tmp_path / "r.json", "p-")
+    code = (
+        "import sys\n"
+        "from vllm.benchmarks.datasets.datasets import CustomDataset\n"
+        "d = CustomDataset(dataset_path=sys.argv[1], disable_shuffle=True, random_seed=1)\n"
+        "for r in d.sample(None, 8, skip_chat_template=True): print(repr(r.prompt))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    )
+    expected = chat_workload.conversations(512, 8, 3, _words)
+    assert out.stdout.splitlines()[-8:] == [repr(p) for p in expected]
+    gpu_copy = ROOT / ".gpu" / "site" / "vllm" / "benchmarks" / "datasets" / "datasets.py"
+    if gpu_copy.exists():
+        text = gpu_copy.read_text()
+        for flag in ("--dataset-path", "--disable-shuffle", "--skip-chat-template"):
+            assert f'"{flag}"' in text, flag
+    the_plan = plan.from_args(
+        _args("--tables", "chat:1024", "--client", "vllm", "--device", "cpu", "--qps", "")
+    )
+    assert [t.key for t in the_plan.tables] == ["chat:1024"]
 
 
 # -- the generated tables ----------------------------------------------------------------------
