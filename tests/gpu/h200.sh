@@ -19,7 +19,8 @@
 # requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
 # load and faults, default 8, cut to fit the step's 585 s), routing (issue 32: kvpush-routed,
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
-# prefix-repetition tables, c=1 and 4, into routing; docs/benchmarks/routing/). Every step first unpacks the bundle
+# prefix-repetition tables (TABLES=... for others: chat:8192), c=1 and 4, into routing;
+# docs/benchmarks/routing/). Every step first unpacks the bundle
 # once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -91,9 +92,15 @@ checksum-c1)  # the same at c=1 only, 40 requests a system
     tar czf "$out/checksum-c1.tgz" -C "$out" checksum-c1 && rm -rf "$out/checksum-c1"
     ;;
 routing)
-    # issue 32: three engines share the GPU (2 P + 1 D at 0.25 each; vllm-serve gets 0.5)
+    # issue 32: three engines share the GPU (2 P + 1 D at 0.25 each; vllm-serve gets 0.5).
+    # TABLES=chat:8192 (multi-turn chat) needs pandas, which the bundle lacks: carry .gpu/extra
+    # (pip download pandas, python-dateutil, six for cp312) and it is installed into /tmp/site
+    if [ -d .gpu/extra ] && [ ! -d /tmp/site/pandas ]; then
+        python3 -m pip install -q --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl
+    fi
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
-        --client vllm --repeats 1 --output-len 64 --tables reuse50:8192,reuse90:8192 --qps "" \
+        --client vllm --repeats 1 --output-len 64 --qps "" \
+        --tables "${TABLES:-reuse50:8192,reuse90:8192}" \
         --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 --time-budget 540 \
         --systems "${SYSTEMS:-kvpush-routed,kvpush-least-loaded,vllm-serve,vllm-push}" \
         --out-dir "$out/routing" > "$out/routing.log" 2>&1
