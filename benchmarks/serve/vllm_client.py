@@ -11,12 +11,11 @@ in ``reuse_prefixes`` groups (``-num-prefixes``, shuffled: requests of a group a
 as turns of one conversation do); ``chat`` (issue 32): the multi-turn chat workload of
 ``chat_workload.py``, written per point as vLLM bench's custom dataset (``--dataset-name
 custom``, ``--disable-shuffle``: sent turn by turn); the point's output length with
-``--ignore-eos``, greedy
-(``--temperature 0``), ``--seed`` the point's seed (to 32 bits, as numpy takes it; every
-system the same prompts, every point and repeat prompts of its
-own), Poisson arrivals at the
-rate (``--request-rate``) or a fixed concurrency (``--max-concurrency``, rate inf), the
-system's extra request fields (``--extra-body``: kvpush's ``kvpush_mode``), and request ids
+``--ignore-eos``, greedy (``--temperature 0``), ``--seed`` the point's seed (to 32 bits, as
+numpy takes it; every system the same prompts, every point and repeat prompts of its own),
+Poisson arrivals at the rate (``--request-rate``) or a fixed concurrency
+(``--max-concurrency``, rate inf), the system's extra request fields (``--extra-body``:
+kvpush's ``kvpush_mode``), and request ids
 ``<prefix><index>`` (``--request-id-prefix``: sent as ``X-Request-Id``, which kvpush's gateway
 names the answer by, so the TTFT breakdown of the point is found). ``--save-detailed`` gives
 each request's TTFT, inter-token gaps, output length, text and error, which become the same
