@@ -24,18 +24,27 @@ any request was served without a transfer (or could not be verified). How, per s
 
 ``none`` (aggregated): nothing moves; the check does not apply (n/a).
 
-``breakdown_of``: a kvpush point's TTFT breakdown, from the gateway's ``/dashboard/data``.
+What the kvpush gateway says of a point's requests (every kvpush system, ``transfer``
+``gateway`` or ``none``): ``point_rows`` reads the point's rows of ``/dashboard/data`` (a
+ring of the last 200 finished requests, newest first: of a longer point, its last 200) once
+for both pure summaries the ``Point`` keeps (``point_extras`` does the three; ``ours_of``
+tells the point's rows: those added after ``ring_seq`` read before it, or the ids answered):
+``breakdown_of`` (P50/P99/mean of each TTFT part) and ``routing_of`` (how the gateway routed
+them: per ``mode/route_reason`` the count, the TTFT P50 of those served OK, the cost model's
+estimate P50 and D's prefix hit P50, and the count per decode worker; ``results.py`` shows
+the shape). A key an older gateway does not send is taken as absent.
 
 Threading model: asyncio on the bench's loop (one short HTTP GET per snapshot); the
-``*_check`` functions are pure.
+``*_check``, ``*_of`` functions are pure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -44,6 +53,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.benchmarks.serve.loadgen import RequestResult
 from kvpush.benchmarks.serve.results import NOT_APPLICABLE, TransferCheck
+from kvpush.services.gateway.dashboard import DEFAULT_CAPACITY as RING
 from kvpush.services.telemetry.breakdown import PART_NAMES
 
 SETTLE_S = 5.0
@@ -270,18 +280,68 @@ def _outcomes(before: dict[str, float], after: dict[str, float]) -> int:
     return _sum(_delta(before, after), "outcome.")
 
 
-async def breakdown_of(url: str, ours: Callable[[str], bool]) -> dict[str, Any] | None:
-    """P50/P99/mean per part of this point's requests (``ours``: is this request id one of
-    them), from the gateway's /dashboard/data."""
+# -- the gateway's rows of a point: TTFT breakdown and routing decisions -------------------------
+
+ABSENT = "-"  # a mode or route reason the row does not name (an older gateway, no decision)
+
+
+def ours_of(
+    client: str, after_seq: int, results: list[RequestResult]
+) -> Callable[[dict[str, Any]], bool]:
+    """Which gateway rows are this point's: with vLLM's client (``client`` "vllm") those the
+    ring added after ``after_seq`` (``ring_seq`` before the point; the point is the only
+    traffic then: vLLM's ``prefix_repetition`` dataset drops ``--request-id-prefix``, so the
+    ids cannot tell), with kvpush's the ids it answered."""
+    if client == "vllm":
+        return lambda row: int(row.get("seq") or 0) > after_seq
+    answered = {r.request_id for r in results if r.request_id}
+    return lambda row: str(row.get("request_id") or "") in answered
+
+
+async def ring_seq(url: str) -> int:
+    """The ``seq`` of the ring's newest row (0: none, or the page cannot be read)."""
     try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"{url}/dashboard/data") as resp,
-        ):
-            rows = (await resp.json())["requests"]
-    except (aiohttp.ClientError, OSError, KeyError, ValueError):
+        status, text = await _get(f"{url}/dashboard/data")
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return 0
+    rows = _rows_of(text) if status == 200 else None
+    return max((int(r.get("seq") or 0) for r in rows or []), default=0)
+
+
+def _rows_of(text: str) -> list[dict[str, Any]] | None:
+    """The ``requests`` of a ``/dashboard/data`` body; None when it has none."""
+    try:
+        data = json.loads(text)
+    except ValueError:
         return None
-    parts = [r["parts_ms"] for r in rows if ours(r["request_id"]) and r["parts_ms"]]
+    rows = data.get("requests") if isinstance(data, dict) else None
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+
+
+async def point_rows(
+    url: str, ours: Callable[[dict[str, Any]], bool], expected: int = 0
+) -> list[dict[str, Any]] | None:
+    """This point's rows of the gateway's ``/dashboard/data`` (``ours``: is this row one of
+    them, ``ours_of``); None when it cannot be read. The gateway adds a row right after a request's
+    last chunk, so this waits (up to ``SETTLE_S``) for ``expected`` rows (at most the ring's)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        try:
+            status, text = await _get(f"{url}/dashboard/data")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return None
+        rows = _rows_of(text) if status == 200 else None
+        if rows is None:
+            return None
+        found = [r for r in rows if ours(r)]
+        if len(found) >= min(expected, RING) or time.monotonic() >= deadline:
+            return found
+        await asyncio.sleep(0.05)
+
+
+def breakdown_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """P50/P99/mean per TTFT part of the rows that have their parts; None without any."""
+    parts = [r["parts_ms"] for r in rows if r.get("parts_ms")]
     if not parts:
         return None
     result: dict[str, Any] = {"requests": len(parts)}
@@ -293,3 +353,47 @@ async def breakdown_of(url: str, ours: Callable[[str], bool]) -> dict[str, Any] 
             "p99": round(float(np.percentile(values, 99)), 3),
         }
     return result
+
+
+def _p50(values: Iterable[Any]) -> float | None:
+    found = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return round(statistics.median(found), 3) if found else None
+
+
+def _decode_hit(row: dict[str, Any]) -> Any:
+    held = row.get("prefix_tokens")
+    return held[1] if isinstance(held, list | tuple) and len(held) == 2 else None
+
+
+def routing_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the gateway routed the rows; None without rows. Keys sorted, floats to 3 decimals:
+    ``{"decode": {decode_id: count}, "groups": {"<mode>/<route_reason>": {"count",
+    "decode_prefix_p50" (tokens), "estimate_p50_ms", "ttft_p50_ms" (served OK)}},
+    "requests"}`` (a P50 without a value: null; a row without a decode worker: not counted)."""
+    if not rows:
+        return None
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    decode: dict[str, int] = {}
+    for row in rows:
+        key = f"{row.get('mode') or ABSENT}/{row.get('route_reason') or ABSENT}"
+        grouped.setdefault(key, []).append(row)
+        if row.get("decode_id"):
+            decode[str(row["decode_id"])] = decode.get(str(row["decode_id"]), 0) + 1
+    groups = {
+        key: {
+            "count": len(members),
+            "decode_prefix_p50": _p50(_decode_hit(r) for r in members),
+            "estimate_p50_ms": _p50(r.get("estimate_ms") for r in members),
+            "ttft_p50_ms": _p50(r.get("ttft_ms") for r in members if r.get("status") == "ok"),
+        }
+        for key, members in sorted(grouped.items())
+    }
+    return {"decode": dict(sorted(decode.items())), "groups": groups, "requests": len(rows)}
+
+
+async def point_extras(
+    url: str, ours: Callable[[dict[str, Any]], bool], expected: int
+) -> dict[str, Any]:
+    """A kvpush point's ``breakdown`` and ``routing`` (both None when the rows are unread)."""
+    rows = await point_rows(url, ours, expected) or []
+    return {"breakdown": breakdown_of(rows), "routing": routing_of(rows)}

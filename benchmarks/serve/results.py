@@ -11,6 +11,14 @@ checked against these structs). One ``Point`` per (system, table, point, repeat)
   ``tpot_ms``, ``itl_ms``, ``e2e_ms`` (mean/p50/p99 each), throughputs, ``wall_s``,
   ``output_digests`` (per request in order, a digest of its completion: token identity);
 - ``breakdown`` (kvpush systems: per TTFT part mean/p50/p99, from the gateway);
+- ``routing`` (kvpush systems: how the gateway routed the point's requests, from its
+  ``/dashboard/data``, ``checks.routing_of``; keys sorted, ms and tokens to 3 decimals):
+  ``requests`` (rows read: at most the gateway's last 200), ``groups`` per
+  ``<mode>/<route_reason>`` (``push/cost``, ``local/cold``, ``push/least-loaded``, ...; ``-``
+  where the gateway named none) its ``count``, ``ttft_p50_ms`` (requests served OK),
+  ``estimate_p50_ms`` (the cost model's estimated TTFT of its choice: the ``routed`` policy
+  only) and ``decode_prefix_p50`` (prefix tokens the index said D held), each null without a
+  value, and ``decode``: requests per decode worker id;
 - ``transfer_check`` (``checks.py``): ``applies`` (false: one engine), ``ok``, ``checked``
   (requests verified), ``without_transfer`` (requests served without a KV transfer, or not
   verifiable), ``detail`` and the raw ``counts`` it was computed from.
@@ -19,7 +27,8 @@ Next to the points: ``meta`` (date, revision, versions, argv, plan), ``systems``
 runs: repeat, ok, start seconds, error), ``capacity`` (per input length: the probed prefill
 capacity and on which system), ``rates_by_len``. ``ratios`` and ``verdicts`` are derived from
 the points when the run ends, for readers of the JSON; ``kvpush bench report`` recomputes them.
-Documents of the first format (no ``point``/``repeat``/``transfer_check``) load too.
+Documents of the first format (no ``point``/``repeat``/``transfer_check``) and those written
+before ``routing`` load too.
 
 Threading model: pure functions and msgspec structs.
 """
@@ -76,6 +85,7 @@ class Point(msgspec.Struct, kw_only=True):
     itl_ms: Stats = msgspec.field(default_factory=Stats)
     e2e_ms: Stats = msgspec.field(default_factory=Stats)
     breakdown: dict[str, Any] | None = None
+    routing: dict[str, Any] | None = None  # see the module docstring; absent: not recorded
     transfer_check: TransferCheck | None = None
     output_digests: list[str] = msgspec.field(default_factory=list)  # per request, "" failed
     first_token_by: str = ""  # "prefill": P sampled the first token (kvpush, --first-token)

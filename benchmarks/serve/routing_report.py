@@ -6,7 +6,11 @@ reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writ
 ``docs/benchmarks/routing/results.md`` (``kvpush.benchmarks.docgen`` markers; the prose
 around it is left alone): per table (reuse share, prompt length) one row per point and system
 with TTFT P50 and P99 (ms, median and [min-max] over repeats), then the ratios peer /
-``kvpush-routed`` of those medians (above 1: kvpush-routed is faster). Rows come from
+``kvpush-routed`` of those medians (above 1: kvpush-routed is faster), then, when the run
+recorded them (``Point.routing``: runs before it did not, and their section has none), the
+kvpush systems' routing decisions per point (``decision_lines``): the requests per
+``mode/reason`` summed over repeats, each group's TTFT P50 next to the cost model's estimate
+P50 (medians over repeats) and the requests per decode worker. Rows come from
 ``summary.rows``, as ``kvpush bench report``'s do; nothing here depends on the time of day.
 
 Regenerate: ``python -m kvpush.benchmarks.serve.routing_report RESULTS DOC`` (``--check``:
@@ -18,14 +22,16 @@ Threading model: pure functions, plus file reads and writes in ``write_doc`` and
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import results as results_mod
 from kvpush.benchmarks.serve import summary
-from kvpush.benchmarks.serve.report import _cell, _point_label, _ratio, failed_lines
-from kvpush.benchmarks.serve.results import Document
+from kvpush.benchmarks.serve.report import _cell, _num, _point_label, _ratio, failed_lines
+from kvpush.benchmarks.serve.results import Document, Point
 from kvpush.benchmarks.serve.summary import Row
 
 SECTION = "routing"
@@ -101,14 +107,70 @@ def table_lines(dataset: str, input_len: int, rows: list[Row]) -> list[str]:
     return [*lines, ""]
 
 
+def _summed(counts: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for found in counts:
+        for key, count in found.items():
+            total[key] = total.get(key, 0) + int(count)
+    return total
+
+
+def _median_of(groups: list[dict[str, Any]], key: str, figure: str) -> str:
+    found = [g[key][figure] for g in groups if key in g and g[key].get(figure) is not None]
+    return _num(statistics.median(found)) if found else "—"
+
+
+def decision_cells(routings: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """One point's repeats (a ``Point.routing`` each): the requests per mode/reason (summed
+    over repeats), TTFT P50 vs estimate P50 per mode/reason (ms, medians over repeats) and the
+    requests per decode worker (summed); a dash for what no repeat has."""
+    groups = [r.get("groups") or {} for r in routings]
+    counts = _summed([{k: g.get("count", 0) for k, g in found.items()} for found in groups])
+    decode = _summed([r.get("decode") or {} for r in routings])
+    timed = (
+        f"{k} {_median_of(groups, k, 'ttft_p50_ms')} vs {_median_of(groups, k, 'estimate_p50_ms')}"
+        for k in sorted(counts)
+    )
+    return (
+        ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())) or "—",
+        ", ".join(timed) or "—",
+        ", ".join(f"{k} {n}" for k, n in sorted(decode.items())) or "—",
+    )
+
+
+def decision_lines(rows: list[Row], points: list[Point]) -> list[str]:
+    """The routing decisions of the rows (a table's) whose points recorded them; none else."""
+    recorded: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in sorted(points, key=lambda p: p.repeat):
+        if p.routing:
+            recorded.setdefault((p.point, p.system), []).append(p.routing)
+    shown = [r for r in rows if (r.point, r.system) in recorded]
+    if not shown:
+        return []
+    lines = [
+        "Decisions of the kvpush systems: the gateway's routing per point (requests per "
+        "mode/reason summed over repeats; TTFT P50 vs the cost model's estimate P50, ms, "
+        "medians over repeats):",
+        "",
+        "| point | system | mode/reason: requests | TTFT P50 vs estimate P50 (ms) "
+        "| requests per decode worker |",
+        "|---|---|---|---|---|",
+    ]
+    for r in shown:
+        cells = " | ".join(decision_cells(recorded[(r.point, r.system)]))
+        lines.append(f"| {_point_label(r)} | {r.system} | {cells} |")
+    return [*lines, ""]
+
+
 def body(document: Document) -> str:
     """The generated section (no markers)."""
     all_rows = summary.rows(document)
     lines = ["## Results (generated)", "", *_meta_lines(document)]
     for dataset, input_len in summary.tables(document):
-        lines += table_lines(
-            dataset, input_len, [r for r in all_rows if r.table == (dataset, input_len)]
-        )
+        rows = [r for r in all_rows if r.table == (dataset, input_len)]
+        lines += table_lines(dataset, input_len, rows)
+        points = [p for p in document.points if (p.dataset, p.input_len) == (dataset, input_len)]
+        lines += decision_lines(rows, points)
     lines += failed_lines(document)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -6,8 +6,10 @@ two warm-up requests, then for each table its points (Poisson rates, then fixed 
 each with the point's seeded prompts and, around it, the transfer check (``checks.py``);
 stop it. ``--qps auto`` rates are fractions of the prefill capacity, probed once per input
 length on the first system that reaches it and reused for every system and repeat (recorded
-under ``capacity``). kvpush systems also report their TTFT breakdown per point (the gateway's
-``/dashboard/data``, computed from the timing carried on the bus: no tracing needed).
+under ``capacity``). kvpush systems (every ``KvpushSystem``: the gateway fronts them) also
+report per point their TTFT breakdown (computed from the timing carried on the bus: no tracing
+needed) and how the gateway routed the point's requests, both from its ``/dashboard/data``
+(``checks.point_extras``).
 
 Writes ``results.json`` (``results.py``: every point of every repeat, plus the ratios and
 verdicts ``summary.py`` derives), ``results.md`` (what ``kvpush bench report`` generates) and
@@ -48,7 +50,7 @@ from kvpush.benchmarks.serve import (
     vllm_client,
 )
 from kvpush.benchmarks.serve.results import Capacity, Document, Point
-from kvpush.benchmarks.serve.systems import KVPUSH_SYSTEMS, BenchContext, System
+from kvpush.benchmarks.serve.systems import KVPUSH_SYSTEMS, BenchContext, KvpushSystem, System
 from kvpush.services import models
 from kvpush.services.workers.config import resolve_device
 
@@ -119,6 +121,8 @@ class Bench:
         mode = str(getattr(system, "mode", ""))  # the mode the system's requests must get
         probe = checks.PointProbe(system.transfer, url, mode)
         await probe.before()
+        fronted = isinstance(system, KvpushSystem)  # by a gateway: its rows of the point
+        ring_seq = await checks.ring_seq(url) if fronted else 0
         desc = f"r{spec.repeat + 1} {system.name:<11} {point.dataset} {point.input_len:>5} "
         desc += f"{point.label:<9}"
         ids = f"{system.name}-r{spec.repeat + 1}-{point.dataset}-{point.input_len}-"
@@ -169,12 +173,9 @@ class Bench:
             "transfer_check": msgspec.to_builtins(check),
             "first_token_by": getattr(system, "first_token_by", ""),
         }
-        if system.transfer == "gateway":
-            if self.plan.client == "vllm":  # the answers are named by the X-Request-Id sent
-                row["breakdown"] = await checks.breakdown_of(url, lambda rid: ids in rid)
-            else:
-                answered = {r.request_id for r in found if r.request_id}
-                row["breakdown"] = await checks.breakdown_of(url, answered.__contains__)
+        if fronted:
+            ours = checks.ours_of(self.plan.client, ring_seq, found)
+            row.update(await checks.point_extras(url, ours, row["completed"]))
         return results.point(row)
 
     async def restart(self, system: System) -> float | None:

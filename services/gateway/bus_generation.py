@@ -139,6 +139,7 @@ class BusGeneration:
         self.abort_reason = "client disconnected"
         self.completion_tokens = self.prompt_tokens = 0
         self.route: Route | None = None
+        self.route_reason = ""  # record_decision's
         self.prompt_ids: list[int] = []
         self.streamed = False
         self.migration: Migration | None = None
@@ -181,9 +182,8 @@ class BusGeneration:
                     ApiError(503, str(exc), type_="service_unavailable", code="no_workers")
                 ) from None
         self.route = route
-        metrics = gw.metrics
-        decided = metrics.route_decisions, metrics.route_decision_seconds
-        record_decision(route.mode, route.explanation, mode, self.context.span, *decided)
+        span, metrics = self.context.span, gw.metrics
+        self.route_reason = record_decision(route.mode, route.explanation, mode, span, metrics)
         self.deadline = since + config.request_timeout_s
         event = RequestEvent(
             transfer_id=self.transfer_id,
@@ -301,12 +301,13 @@ class BusGeneration:
     def _finished(self) -> FinishedRequest:
         context = self.context.span.get_span_context()
         ok = self.ended and not self.worker_error
-        assert self.route is not None
+        route = self.route
+        assert route is not None
         return FinishedRequest(
             request_id=self.request_id,
             transfer_id=self.transfer_id,
             trace_id=f"{context.trace_id:032x}" if context.trace_id else "",
-            mode=self.route.mode.value,
+            mode=route.mode.value,
             status="ok" if ok else self.abort_reason,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
@@ -315,6 +316,7 @@ class BusGeneration:
             first_byte_ns=self.first_byte_ns,
             last_chunk_ns=self.last_chunk_ns,
             worker_timing=self.worker_timing,
+            route=route.note(self.route_reason),
         )
 
     def _first_byte(self) -> None:

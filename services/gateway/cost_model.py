@@ -26,11 +26,12 @@ while cold, the router keeps the deployment's fixed rule for the mode (``--local
 
 Estimates (``estimate(candidate)``, milliseconds, with their terms)::
 
-    LOCAL on D      = local_overhead + wait(D) + compute(D, prompt - hit(D))
+    LOCAL on D      = local_overhead + wait_local(D) + compute(D, prompt - hit(D))
     PUSH  P -> D    = handoff + wait(P) + compute(P, prompt - hit(P))
                       + push_tail_share * transfer(prompt - hit(D)) + steps(D)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + queue_depth + sent since)
+    wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
     steps(D)        = (1 + load(D)) * step_ms(D)
     transfer(n)     = n * bytes_per_token / bytes_per_s
 
@@ -39,8 +40,13 @@ tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``,
 ``get_num_new_matched_tokens`` reports ``prompt - local hit`` as the external tokens and
 ``update_state_after_alloc`` names only those blocks), so a prefix hit on D shrinks the
 transfer: that is prefix-partial push. P computes what its own prefix cache lacks. A LOCAL
-request waits behind D's load as prefills; a disaggregated one waits on P's, and on D only for
-steps (its KV is computed elsewhere): a busy D with an idle P favours a transfer.
+request waits behind D's prefills (the requests not past their first token, and those sent
+since D's heartbeat) each a service time, and behind D's decoding requests (``running``) each
+a step: vLLM batches a new prompt with the running decodes, it does not queue it behind them
+(charged a service time each, a D streaming four answers read as four prefills ahead and the
+LOCAL estimate of a reused prefix came out 2.4x its TTFT on the CPU routing benchmark). A
+disaggregated request waits on P's load, and on D only for steps (its KV is computed
+elsewhere): a D busy with prefills and an idle P favour a transfer.
 
 The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``, each over
 the workers' ``view``, load and prompt tokens missing from their prefix cache), so the router
@@ -123,6 +129,7 @@ class Candidate(NamedTuple):
     prefill_id: str | None = None  # None: LOCAL
     prefill_load: int = 0
     prefill_hit: int = 0
+    decode_running: int = 0  # D's requests past their first token (inside decode_load)
 
     @property
     def label(self) -> str:
@@ -219,15 +226,18 @@ class CostModel:
         views: Sequence[WorkerView],
         loads: Sequence[int],
         missing: Sequence[int],
+        running: Sequence[int] | None = None,
     ) -> list[float]:
         """Each D's share of an estimate: LOCAL's whole estimate; for push/pull, the hand-off,
-        the transfer's tail of what D lacks, and D's steps. Per D: its ``view``, its load, and
-        the prompt tokens its prefix cache lacks (at least 0)."""
+        the transfer's tail of what D lacks, and D's steps. Per D: its ``view``, its load, the
+        prompt tokens its prefix cache lacks (at least 0) and its requests past their first
+        token (``running``, part of its load; None: none)."""
         if mode is TransferMode.LOCAL:
             base = self.local_overhead_ms.value
+            running = running or [0] * len(loads)
             return [
-                base + load * w.service_ms + tokens * w.ms_per_token
-                for w, load, tokens in zip(views, loads, missing, strict=True)
+                base + (load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
+                for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
             ]
         base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
         return [
@@ -240,7 +250,8 @@ class CostModel:
         terms: dict[str, float] = {}
         if c.prefill_id is None or c.mode is TransferMode.LOCAL:
             terms["overhead"] = self.local_overhead_ms.value
-            terms["wait_d"] = self.wait_ms(c.decode_id, c.decode_load)
+            terms["wait_d"] = self.wait_ms(c.decode_id, c.decode_load - c.decode_running)
+            terms["decoding_d"] = c.decode_running * self.view(c.decode_id).step_ms
             terms["compute_d"] = self.compute_ms(c.decode_id, c.prompt_tokens - c.decode_hit)
         else:
             terms["handoff"] = self.handoff_ms.value

@@ -7,7 +7,8 @@ generation requests with their TTFT ``Breakdown``) and two routes (``add_routes`
   JS, nothing from another host; a Content-Security-Policy with the hashes of its inline
   script and style lets it load nothing else). It polls ``/dashboard/data`` every second and
   draws the counters as tiles, a legend of the parts and one waterfall row per request:
-  consecutive segments, one per non-zero part, on a scale shared by all rows.
+  consecutive segments, one per non-zero part, on a scale shared by all rows; a row's mode
+  shows its routing decision on hover (reason, candidate, estimated TTFT, prefix held).
 - ``GET /dashboard/data``: ``{"parts": [[name, label, color], ...], "counters": {...},
   "requests": [...]}`` (newest first), ``Cache-Control: no-store``.
 
@@ -29,6 +30,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from kvpush.services.gateway.route_choice import RouteNote
 from kvpush.services.telemetry.breakdown import PART_NAMES, Breakdown
 
 # Display label and color of each part (Okabe-Ito palette: tells apart with color blindness).
@@ -43,6 +45,7 @@ PART_STYLE: Final[dict[str, tuple[str, str]]] = {
 }
 PARTS: Final[list[list[str]]] = [[name, *PART_STYLE[name]] for name in PART_NAMES]
 DEFAULT_CAPACITY: Final = 200
+NO_ROUTE: Final = RouteNote(reason="", decode_id="")  # a row's route keys without a decision
 
 
 class RecentRequests:
@@ -70,11 +73,14 @@ class RecentRequests:
         ttft_ms: float | None,
         e2e_ms: float,
         kv: str = "",
+        route: RouteNote | None = None,
     ) -> None:
         """Record one finished request. ``breakdown`` is None when the request failed before
         its first byte or its parts are unknown (drawn as a grey row with ``status``);
         ``ttft_ms`` None falls back to the breakdown's sum. ``kv``: what decode did with a
-        served push/pull request (``received`` or ``fallback``; empty otherwise)."""
+        served push/pull request (``received`` or ``fallback``; empty otherwise). ``route``: its
+        routing decision (``RouteNote.row``'s keys: reason, choice, estimate, workers; the keys
+        are there, empty, without one)."""
         if ttft_ms is None and breakdown is not None:
             ttft_ms = breakdown.ttft_ms
         parts = None
@@ -95,6 +101,7 @@ class RecentRequests:
                 "kv": kv,
                 "finished_at_ms": int(time.time() * 1000),
                 "parts_ms": parts,
+                **(route or NO_ROUTE).row(),
             }
         )
 

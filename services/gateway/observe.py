@@ -6,7 +6,7 @@
   RequestEvent published, first byte) merged with the ``timing`` the decode worker put on the
   last TokenChunk (D's and P's instants) give the request's ``Breakdown``: observed in
   ``kvpush_gateway_ttft_part_seconds{part}``, TPOT in its histogram, and kept in
-  ``RecentRequests`` for the dashboard.
+  ``RecentRequests`` for the dashboard, with its routing decision (``RouteNote``).
 - ``on_kv_event``: KvPushed / KvReady / KvFailed seen on ``kvpush.v1.kv.*.*``, counted only for
   transfers of this gateway (``track`` remembers the last ``MAX_TRACKED`` transfer ids), so two
   gateways never count one transfer twice.
@@ -22,6 +22,7 @@ from kvpush.connector import BoundedDict
 from kvpush.schemas.messages import KvFailed, KvPushed, KvReady, Timing
 from kvpush.services.gateway.dashboard import RecentRequests
 from kvpush.services.gateway.metrics import GatewayMetrics
+from kvpush.services.gateway.route_choice import RouteNote
 from kvpush.services.telemetry.breakdown import PART_NAMES, breakdown, merge
 
 MAX_TRACKED = 8192
@@ -51,6 +52,7 @@ class FinishedRequest:
     first_byte_ns: int  # 0: no first byte
     last_chunk_ns: int  # 0: no final chunk
     worker_timing: Timing | None
+    route: RouteNote | None = None  # the routing decision, for the dashboard's row
 
 
 class Observer:
@@ -116,4 +118,5 @@ class Observer:
             ttft_ms=found.ttft_ms if found is not None else None,
             e2e_ms=max(0.0, (end_ns - request.arrived_ns) / 1e6),
             kv=outcome,
+            route=request.route,
         )

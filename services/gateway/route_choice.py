@@ -11,7 +11,8 @@ worker's heartbeat, load and ``CostModel.view`` are read once per decision, what
 
 ``RouteExplanation`` is what the trace and metrics show: the reason the candidates were what
 they were (``RouteReason``), the chosen estimate, the runners-up, the prefix tokens matched on
-the chosen P and D, and the decision's own cost.
+the chosen P and D, and the decision's own cost; ``RouteNote`` is what the dashboard's row of
+the request shows of it (``record_decision`` records both ways, ``route_note`` makes the note).
 
 Threading model: pure functions of their arguments, on the gateway's loop.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from kvpush.schemas.messages import TransferMode, WorkerHeartbeat
 from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate
@@ -52,7 +53,16 @@ class LiveWorker(Protocol):
     @property
     def load(self) -> int: ...
     @property
+    def running(self) -> int: ...
+    @property
     def last_pick(self) -> float: ...
+
+
+class DecisionMetrics(Protocol):
+    """The gateway's metrics of its decisions (``metrics.GatewayMetrics``)."""
+
+    route_decisions: Counter
+    route_decision_seconds: Histogram
 
 
 W = TypeVar("W", bound=LiveWorker)
@@ -124,11 +134,13 @@ def choose(
     # place in the least-loaded order (as decode_order and prefill_order make it)
     d_ids: list[str] = []
     d_loads: list[int] = []
+    d_running: list[int] = []
     d_keys: list[_DecodeKey] = []
     for d in decodes:
         beat, load = d.heartbeat, d.load
         d_ids.append(beat.worker_id)
         d_loads.append(load)
+        d_running.append(d.running)
         d_keys.append((load, -beat.free_blocks, d.last_pick))
     d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
     d_views = [model.view(w) for w in d_ids]
@@ -140,7 +152,7 @@ def choose(
     # LOCAL's P key is () and its P index -1
     ranked: list[tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]] = []
     for mode in modes:
-        parts = model.decode_parts(mode, d_views, d_loads, d_missing)
+        parts = model.decode_parts(mode, d_views, d_loads, d_missing, d_running)
         d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         if mode is TransferMode.LOCAL:
             ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_ranked]
@@ -170,7 +182,7 @@ def choose(
         if j < 0:
             candidate = Candidate(
                 TransferMode.LOCAL, d_ids[i], d_loads[i], d_hits[i], prompt_tokens
-            )
+            )._replace(decode_running=d_running[i])
         else:
             mode = TransferMode.PUSH if rank == 1 else TransferMode.PULL
             candidate = Candidate(
@@ -182,6 +194,7 @@ def choose(
                 p_ids[j],
                 p_loads[j],
                 p_hits[j],
+                decode_running=d_running[i],
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))
@@ -203,20 +216,58 @@ def _prefix_hits(
     return found, [whole - hit for hit in found]
 
 
+@dataclass(frozen=True)
+class RouteNote:
+    """A request's routing decision as the dashboard's row shows it (``RecentRequests``)."""
+
+    reason: str  # a RouteReason's value
+    decode_id: str
+    prefill_id: str = ""  # "": D computed the prompt (LOCAL)
+    choice: str = ""  # the chosen candidate's label ("push p0>d1"); "": not the routed policy
+    estimate_ms: float | None = None  # its estimated TTFT
+    prefix_tokens: tuple[int, int] | None = None  # matched on the chosen P and D
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "route_reason": self.reason,
+            "route_choice": self.choice,
+            "estimate_ms": self.estimate_ms,
+            "prefix_tokens": list(self.prefix_tokens) if self.prefix_tokens else None,
+            "decode_id": self.decode_id,
+            "prefill_id": self.prefill_id,
+        }
+
+
 def record_decision(
     mode: TransferMode,
     explained: RouteExplanation | None,
     requested: TransferMode | None,
     span: Span,
-    decisions: Counter,
-    decision_seconds: Histogram,
-) -> None:
+    metrics: DecisionMetrics,
+) -> str:
     """A routing decision (its mode and, under the routed policy, its explanation) in the
     request's span and the gateway's metrics (``kvpush_gateway_route_decisions_total``,
-    ``kvpush_gateway_route_decision_seconds``)."""
-    reason = "override" if requested is not None else "least-loaded"
+    ``kvpush_gateway_route_decision_seconds``); its reason (a ``RouteReason``'s value)."""
+    reason = RouteReason.OVERRIDE if requested is not None else RouteReason.LEAST_LOADED
     if explained is not None:  # --routing routed
-        reason = explained.reason.value
-        decision_seconds.observe(explained.decision_us / 1e6)
+        reason = explained.reason
+        metrics.route_decision_seconds.observe(explained.decision_us / 1e6)
         span.set_attributes(explained.span_attributes())
-    decisions.labels(mode.value, reason).inc()
+    metrics.route_decisions.labels(mode.value, reason.value).inc()
+    return reason.value
+
+
+def route_note(
+    reason: str, decode_id: str, prefill_id: str, explained: RouteExplanation | None
+) -> RouteNote:
+    """The dashboard's note of a decision (``prefill_id`` "": LOCAL)."""
+    if explained is None:
+        return RouteNote(reason, decode_id, prefill_id)
+    return RouteNote(
+        reason,
+        decode_id,
+        prefill_id,
+        choice=explained.choice.candidate.label,
+        estimate_ms=round(explained.choice.total_ms, 3),
+        prefix_tokens=(explained.prefill_prefix_tokens, explained.decode_prefix_tokens),
+    )

@@ -66,10 +66,12 @@ from kvpush.schemas.messages import (
 from kvpush.services.gateway.cost_model import CostModel
 from kvpush.services.gateway.route_choice import (
     RouteExplanation,
+    RouteNote,
     RouteReason,
     choose,
     decode_order,
     prefill_order,
+    route_note,
 )
 from kvpush.services.membership import DEFAULT_LEASE_S, LeaveReason, Member, Membership
 
@@ -114,6 +116,12 @@ class WorkerState:
         hb = self.heartbeat
         return hb.in_flight + hb.queue_depth + self.sent_since_heartbeat
 
+    @property
+    def running(self) -> int:
+        """Requests past their first token (on D: decoding); inside ``load`` too."""
+        hb = self.heartbeat
+        return max(0, hb.in_flight - hb.queue_depth)
+
 
 @dataclass(frozen=True)
 class Route:
@@ -124,6 +132,11 @@ class Route:
     prefill_epoch: int | None = None  # None: no real prefill worker takes part
     prefill_sends_first_token: bool = False  # its heartbeat says it sends FirstToken
     explanation: RouteExplanation | None = None  # the routed policy's: why this route
+
+    def note(self, reason: str) -> RouteNote:
+        """The dashboard's note of this route (``reason``: ``record_decision``'s)."""
+        prefill_id = self.prefill_id if self.prefill_epoch is not None else ""
+        return route_note(reason, self.decode_id, prefill_id, self.explanation)
 
 
 class NoWorkerError(LookupError):

@@ -1,25 +1,32 @@
-"""The routing benchmark harness (issue 32): the 2P2D systems' commands, the reuse tables and
-the generated TTFT tables with ratios peer / kvpush-routed."""
+"""The routing benchmark harness (issue 32): the 2P2D systems' commands, the reuse tables, the
+gateway's routing decisions per point (``checks.routing_of`` on synthetic ``/dashboard/data``
+rows) and the generated TTFT tables with ratios peer / kvpush-routed and the decisions."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+from aiohttp import web
 
 from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import (
     add_arguments,
     chat_workload,
+    checks,
     plan,
     results,
     routing_report,
     vllm_client,
 )
-from kvpush.benchmarks.serve.loadgen import LoadPoint
+from kvpush.benchmarks.serve.loadgen import LoadPoint, RequestResult
 from kvpush.benchmarks.serve.systems import (
     KVPUSH_SYSTEMS,
     BenchContext,
@@ -28,6 +35,7 @@ from kvpush.benchmarks.serve.systems import (
     KvpushRouted,
 )
 from kvpush.services.settings import ConfigError
+from tests.http_server import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,6 +220,131 @@ def test_a_chat_point_is_vllm_s_custom_dataset_read_in_its_order(tmp_path: Path)
     assert [t.key for t in the_plan.tables] == ["chat:1024"]
 
 
+# -- the gateway's routing decisions of a point ---------------------------------------------------
+
+
+def _row(
+    rid: str,
+    mode: str,
+    reason: str,
+    ttft: float | None,
+    estimate: float | None = None,
+    decode_hit: int | None = None,
+    decode_id: str = "d0",
+    status: str = "ok",
+    seq: int = 0,
+) -> dict[str, Any]:
+    """A ``/dashboard/data`` row as the gateway writes it (route keys included)."""
+    return {
+        "seq": seq,
+        "request_id": rid,
+        "mode": mode,
+        "status": status,
+        "prompt_tokens": 1024,
+        "ttft_ms": ttft,
+        "kv": "received" if mode == "push" else "",
+        "parts_ms": None,
+        "route_reason": reason,
+        "route_choice": f"{mode} p0>{decode_id}" if estimate is not None else "",
+        "estimate_ms": estimate,
+        "prefix_tokens": None if decode_hit is None else [0, decode_hit],
+        "decode_id": decode_id,
+        "prefill_id": "" if mode == "local" else "p0",
+    }
+
+
+def test_routing_of_groups_by_mode_and_reason() -> None:
+    rows = [
+        _row("a", "push", "cost", 100.0, 90.0, 0, "d0"),
+        _row("b", "push", "cost", 300.0, 110.0, 512, "d1"),
+        _row("c", "push", "cost", None, 100.0, 896, "d1", status="decode failed"),
+        _row("d", "local", "cost", 40.0, 35.5, 896, "d0"),
+        _row("e", "local", "cold", 250.1234, None, None, "d1"),
+    ]
+    found = checks.routing_of(rows)
+    assert found == {
+        "decode": {"d0": 2, "d1": 3},
+        "groups": {
+            "local/cold": {
+                "count": 1,
+                "decode_prefix_p50": None,
+                "estimate_p50_ms": None,
+                "ttft_p50_ms": 250.123,
+            },
+            "local/cost": {
+                "count": 1,
+                "decode_prefix_p50": 896.0,
+                "estimate_p50_ms": 35.5,
+                "ttft_p50_ms": 40.0,
+            },
+            "push/cost": {  # the failed request counts, but has no TTFT
+                "count": 3,
+                "decode_prefix_p50": 512.0,
+                "estimate_p50_ms": 100.0,
+                "ttft_p50_ms": 200.0,
+            },
+        },
+        "requests": 5,
+    }
+    text = json.dumps(found, sort_keys=False)  # stored as built: keys already sorted
+    assert text == json.dumps(found, sort_keys=True)
+    assert checks.routing_of([]) is None
+
+
+def test_routing_of_takes_an_older_gateway_s_missing_keys_as_absent() -> None:
+    old = {"request_id": "a", "mode": "push", "status": "ok", "ttft_ms": 12.0, "parts_ms": None}
+    found = checks.routing_of([old, {**old, "request_id": "b", "mode": "local"}])
+    assert found is not None and found["decode"] == {}
+    assert set(found["groups"]) == {"push/-", "local/-"}
+    assert found["groups"]["push/-"] == {
+        "count": 1,
+        "decode_prefix_p50": None,
+        "estimate_p50_ms": None,
+        "ttft_p50_ms": 12.0,
+    }
+
+
+async def test_point_rows_reads_the_point_s_rows_once_they_are_there() -> None:
+    rows = [_row("other-1", "push", "cost", 5.0, seq=1), _row("p-1", "push", "cost", 7.0, seq=2)]
+
+    async def data(_request: web.Request) -> web.Response:
+        return web.json_response({"parts": [], "counters": {}, "requests": list(rows)})
+
+    app = web.Application()
+    app.router.add_get("/dashboard/data", data)
+    async with serving(app) as url:
+        assert await checks.ring_seq(url) == 2
+        ours = checks.ours_of("vllm", 1, [])  # the rows after seq 1 (the ids cannot tell)
+
+        async def late() -> None:  # the gateway adds a row after the request's last chunk
+            await asyncio.sleep(0.2)
+            rows.insert(0, _row("cmpl-x", "local", "cost", 3.0, decode_id="d1", seq=3))
+
+        adding = asyncio.create_task(late())
+        found = await checks.point_rows(url, ours, expected=2)
+        await adding
+        assert [r["request_id"] for r in found or []] == ["cmpl-x", "p-1"]
+        extras = await checks.point_extras(url, ours, 2)
+        assert extras["breakdown"] is None  # no row has its parts
+        assert extras["routing"]["groups"].keys() == {"local/cost", "push/cost"}
+        answered = [RequestResult(0, 1024, request_id="p-1", ttft_s=0.1)]
+        by_id = await checks.point_rows(url, checks.ours_of("kvpush", 0, answered))
+        assert [r["request_id"] for r in by_id or []] == ["p-1"]  # kvpush's client: its ids
+    assert await checks.point_rows(url, ours) is None  # the gateway is gone
+    assert await checks.ring_seq(url) == 0
+    assert await checks.point_extras(url, ours, 2) == {"breakdown": None, "routing": None}
+
+
+def test_every_kvpush_system_reports_its_gateway_s_rows() -> None:
+    """run.py reads the rows of every KvpushSystem, whatever its transfer check."""
+    from kvpush.benchmarks.serve.run import system_classes
+    from kvpush.benchmarks.serve.systems import KvpushSystem
+
+    fronted = {n for n, c in system_classes().items() if issubclass(c, KvpushSystem)}
+    assert {"kvpush-routed", "kvpush-least-loaded", "kvpush-push"} <= fronted
+    assert not any(n.startswith("vllm") for n in fronted)
+
+
 # -- the generated tables ----------------------------------------------------------------------
 
 
@@ -274,3 +407,60 @@ def test_write_doc_then_check_and_a_hand_edit_fails(tmp_path: Path) -> None:
     with pytest.raises(docgen.DocOutOfDate):
         routing_report.write_doc(doc, data, check=True)
     assert routing_report.main([str(data), str(doc), "--check"]) == 1
+
+
+def _routing(push: int, local: int, ttft: float, estimate: float) -> dict[str, Any]:
+    group = {"decode_prefix_p50": 896.0, "estimate_p50_ms": estimate, "ttft_p50_ms": ttft}
+    return {
+        "decode": {"d0": push, "d1": local},
+        "groups": {
+            "local/cost": {"count": local, **group, "ttft_p50_ms": ttft / 2},
+            "push/cost": {"count": push, **group},
+        },
+        "requests": push + local,
+    }
+
+
+def _with_routing() -> results.Document:
+    document = _document()
+    repeats = []
+    for p in document.points:
+        if p.system == "kvpush-routed":
+            p.routing = _routing(16, 4, 400.0, 100.0)
+            again = results.point({**msgspec.to_builtins(p), "repeat": 1})
+            again.routing = _routing(14, 6, 500.0, 120.0)
+            repeats.append(again)
+    document.points += repeats
+    return document
+
+
+def test_decisions_table_sums_counts_and_takes_medians_over_repeats() -> None:
+    text = routing_report.body(_with_routing())
+    assert text.count("Decisions of the kvpush systems") == 2  # one per table
+    tail = text[text.index("`reuse90:1024`") :]
+    decisions = tail[tail.index("Decisions") :]
+    row = (
+        "| c=4 | kvpush-routed | local/cost: 10, push/cost: 30 | local/cost 225 vs 110, "
+        "push/cost 450 vs 110 | d0 30, d1 10 |"
+    )
+    assert row in decisions
+    assert "| c=1 | kvpush-routed |" in decisions and "vllm-serve" not in decisions
+    assert tail.index("Ratios") < tail.index("Decisions")  # below the table's ratios
+
+
+def test_decisions_table_only_when_a_point_recorded_routing() -> None:
+    assert "Decisions" not in routing_report.body(_document())
+    document = _with_routing()
+    document.points = [p for p in document.points if p.dataset == "reuse50" or not p.routing]
+    text = routing_report.body(document)
+    assert text.count("Decisions") == 1 and text.index("Decisions") < text.index("reuse90:1024")
+
+
+def test_a_document_without_routing_loads_and_one_with_it_round_trips() -> None:
+    plain = json.loads(results.dumps(_document()))
+    for p in plain["points"]:
+        del p["routing"]  # as written before routing was recorded
+    assert all(p.routing is None for p in results.loads(json.dumps(plain)).points)
+    document = _with_routing()
+    again = results.loads(results.dumps(document))
+    assert [p.routing for p in again.points] == [p.routing for p in document.points]

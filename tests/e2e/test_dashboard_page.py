@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from kvpush.services.gateway.dashboard import PARTS, RecentRequests, add_routes
+from kvpush.services.gateway.route_choice import RouteNote
 from kvpush.services.telemetry.breakdown import PART_NAMES, Breakdown
 from tests import browser
 
@@ -31,6 +32,9 @@ SYNTHETIC: dict[str, tuple[str, tuple[float, ...]]] = {
     HOSTILE_ID: ("local", (0.9, 0.0, 0.0, 0.0, 0.0, 24.0, 0.4)),
 }
 COUNTERS = {"requests_in_flight": 1.0, "requests_served": 42.0, "ttft_p50_ms": 57.75}
+# the routing decision of the first push row (its mode's hover text)
+ROUTED_ID = "cmpl-00000000000000000000000000000001"
+ROUTE = RouteNote("cost", "d1", "p0", "push p0>d1", 58.25, (0, 256))
 
 
 def make_recent() -> RecentRequests:
@@ -55,6 +59,7 @@ def make_recent() -> RecentRequests:
             completion_tokens=8,
             ttft_ms=None,
             e2e_ms=sum(parts) + 40.0,
+            route=ROUTE if request_id == ROUTED_ID else None,
         )
     return recent
 
@@ -125,6 +130,10 @@ async def test_data_is_json_of_parts_counters_and_requests_newest_first(
     assert first["mode"] == "local" and first["prompt_tokens"] == 300
     assert first["ttft_ms"] == pytest.approx(25.3)
     assert data["requests"][-1]["parts_ms"] is None
+    routed = data["requests"][-2]
+    assert routed["request_id"] == ROUTED_ID and routed["route_choice"] == "push p0>d1"
+    assert routed["estimate_ms"] == 58.25 and routed["prefix_tokens"] == [0, 256]
+    assert first["route_reason"] == "" and first["estimate_ms"] is None
 
 
 async def test_a_non_finite_counter_is_sent_as_null() -> None:
@@ -174,6 +183,11 @@ async def test_chromium_draws_one_waterfall_row_per_request_on_one_scale(
             assert segment.attrs["title"].endswith(" ms") and segment.attrs["title"] != ""
         assert sum(float(s.style()["width"][:-1]) for s in segments) <= 100.0 + 1e-3
     assert rows[1].find_all(cls="segment")[2].attrs["title"] == "Prefill compute: 38.0 ms"
+    [routed] = [r for r in rows if r.attrs["data-request-id"] == ROUTED_ID]
+    route_title = routed.find_all(cls="mode")[0].attrs["title"]
+    assert route_title == (
+        "push (cost) · push p0>d1 · estimated TTFT 58.3 ms · prefix held: P 0, D 256 tokens"
+    )
 
     failed = rows[-1]
     assert "failed" in failed.classes and not failed.find_all(cls="segment")

@@ -1,6 +1,7 @@
 """The routed policy's decision in the gateway's trace and metrics, against fake workers (no
 engine): each request's span carries the choice, its estimate, the candidates and the prefix
-tokens matched; ``/metrics`` counts decisions by mode and reason and times them.
+tokens matched; ``/metrics`` counts decisions by mode and reason and times them; the
+dashboard's row of each request carries the decision too.
 
 Threading model: the test's event loop (gateway and fake workers on it).
 """
@@ -43,3 +44,10 @@ async def test_each_decision_shows_in_the_span_and_the_metrics(
         "kvpush_gateway_route_decision_seconds_count 2.0",
     ):
         assert line in text, line
+    _, data = await s.call("GET", "/dashboard/data")
+    rows = {r["mode"]: r for r in data["requests"]}
+    assert rows["local"]["route_reason"] == "cold" and rows["local"]["prefill_id"] == ""
+    assert rows["local"]["route_choice"] == f"local {d}" and rows["local"]["decode_id"] == d
+    assert rows["pull"]["route_reason"] == "override" and rows["pull"]["prefill_id"] == p
+    assert rows["pull"]["route_choice"] == f"pull {p}>{d}" and rows["pull"]["estimate_ms"] > 0
+    assert rows["pull"]["prefix_tokens"] == [0, 0]

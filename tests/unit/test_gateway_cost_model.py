@@ -78,8 +78,12 @@ def test_estimates_use_the_priors_before_any_measurement() -> None:
     assert local.terms == {
         "overhead": cost_model.PRIOR_LOCAL_OVERHEAD_MS,
         "wait_d": 2 * cost_model.PRIOR_SERVICE_MS,
+        "decoding_d": 0.0,
         "compute_d": compute,
     }
+    decoding = model.estimate(Candidate(LOCAL, "d0", 2, 0, 4000, decode_running=2))
+    assert decoding.terms["wait_d"] == 0.0  # D's two requests decode: a step each, no queue
+    assert decoding.terms["decoding_d"] == 2 * cost_model.PRIOR_STEP_MS
     assert local.total_ms == pytest.approx(sum(local.terms.values()))
     push = model.estimate(Candidate(PUSH, "d0", 0, 1000, 4000, "p0", 0, 0))
     transfer = (
@@ -180,13 +184,32 @@ def test_a_long_prompt_with_an_idle_prefill_worker_goes_push(registry: WorkerReg
     router.costs.observe_push(pushed(1000 * 1000, 1000.0, 1000))  # 1 kB/token at 1 MB/s...
     for _ in range(20):
         router.costs.observe_push(pushed(1000 * 1000, 1.0, 1000))  # ... then 1 GB/s
-    for name in ("d0", "d1", "d2"):
-        registry.observe(beat(D, name, in_flight=1))  # D busy decoding: P's compute is off it
+    for name in ("d0", "d1", "d2"):  # D busy with a prefill: P's compute is off it
+        registry.observe(beat(D, name, in_flight=1, queue_depth=1))
     route = router.route(list(range(8000)))
     assert route.mode is PUSH and route.prefill_id in ("p0", "p1") and route.prefill_epoch == 1
     assert route.explanation is not None and route.explanation.reason is RouteReason.COST
     assert route.explanation.choice.candidate.label.startswith("push ")
     assert route.prefill_sends_first_token
+
+
+def test_a_decode_worker_busy_decoding_still_computes_a_prompt_it_mostly_holds(
+    registry: WorkerRegistry,
+) -> None:
+    """Decoding requests cost a LOCAL prompt a step each, not a prefill each: vLLM batches the
+    prompt with them (charged a service time each, a D streaming answers looked queued)."""
+    router = routed(registry, {"d0": 7936, "d1": 7936, "d2": 7936, "p0": 7936, "p1": 7936})
+    warm_up(router.costs, tokens_per_ms=10)
+    for _ in range(5):  # a prefill takes D 800 ms of service; a step 5 ms
+        router.costs.learn(LOCAL, None, "d0", 8000, timing=local_timing(1, 800))
+    for name in ("d0", "d1", "d2"):
+        registry.observe(beat(D, name, in_flight=4))  # four answers streaming on each D
+    route = router.route(list(range(8000)))
+    assert route.mode is LOCAL, route.explanation
+    assert route.explanation is not None
+    terms = route.explanation.choice.terms
+    assert terms["wait_d"] == 0.0 and terms["decoding_d"] > 0
+    assert route.explanation.choice.candidate.decode_running == 4
 
 
 def test_a_short_prompt_goes_local_and_a_pull_deployment_offers_pull(
