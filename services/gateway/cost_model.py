@@ -44,7 +44,7 @@ request waits behind D's prefills (the requests not past their first token, and 
 since D's heartbeat) each a service time, and behind D's decoding requests (``running``) each
 a step: vLLM batches a new prompt with the running decodes, it does not queue it behind them
 (charged a service time each, a D streaming four answers read as four prefills ahead and the
-LOCAL estimate of a reused prefix came out 2.4x its TTFT on the CPU routing benchmark). A
+LOCAL estimate of a reused prefix came out far above its TTFT on the CPU routing benchmark). A
 disaggregated request waits on P's load, and on D only for steps (its KV is computed
 elsewhere): a D busy with prefills and an idle P favour a transfer.
 
