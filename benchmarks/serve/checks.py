@@ -286,26 +286,28 @@ ABSENT = "-"  # a mode or route reason the row does not name (an older gateway, 
 
 
 def ours_of(
-    client: str, after_seq: int, results: list[RequestResult]
+    client: str, after_seq: int | None, results: list[RequestResult]
 ) -> Callable[[dict[str, Any]], bool]:
     """Which gateway rows are this point's: with vLLM's client (``client`` "vllm") those the
     ring added after ``after_seq`` (``ring_seq`` before the point; the point is the only
     traffic then: vLLM's ``prefix_repetition`` dataset drops ``--request-id-prefix``, so the
     ids cannot tell), with kvpush's the ids it answered."""
-    if client == "vllm":
-        return lambda row: int(row.get("seq") or 0) > after_seq
+    if client == "vllm":  # after_seq None (the ring was not read before the point): none
+        return lambda row: after_seq is not None and int(row.get("seq") or 0) > after_seq
     answered = {r.request_id for r in results if r.request_id}
     return lambda row: str(row.get("request_id") or "") in answered
 
 
-async def ring_seq(url: str) -> int:
-    """The ``seq`` of the ring's newest row (0: none, or the page cannot be read)."""
+async def ring_seq(url: str) -> int | None:
+    """The ``seq`` of the ring's newest row (0: none; None: the page cannot be read)."""
     try:
         status, text = await _get(f"{url}/dashboard/data")
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        return 0
+        return None
     rows = _rows_of(text) if status == 200 else None
-    return max((int(r.get("seq") or 0) for r in rows or []), default=0)
+    if rows is None:
+        return None
+    return max((int(r.get("seq") or 0) for r in rows), default=0)
 
 
 def _rows_of(text: str) -> list[dict[str, Any]] | None:
@@ -368,7 +370,7 @@ def _decode_hit(row: dict[str, Any]) -> Any:
 def routing_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """How the gateway routed the rows; None without rows. Keys sorted, floats to 3 decimals:
     ``{"decode": {decode_id: count}, "groups": {"<mode>/<route_reason>": {"count",
-    "decode_prefix_p50" (tokens), "estimate_p50_ms", "ttft_p50_ms" (served OK)}},
+    "decode_prefix_p50" (tokens), "estimate_p50_ms" and "ttft_p50_ms" (both of those served OK)}},
     "requests"}`` (a P50 without a value: null; a row without a decode worker: not counted)."""
     if not rows:
         return None
@@ -383,7 +385,9 @@ def routing_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         key: {
             "count": len(members),
             "decode_prefix_p50": _p50(_decode_hit(r) for r in members),
-            "estimate_p50_ms": _p50(r.get("estimate_ms") for r in members),
+            "estimate_p50_ms": _p50(
+                r.get("estimate_ms") for r in members if r.get("status") == "ok"
+            ),
             "ttft_p50_ms": _p50(r.get("ttft_ms") for r in members if r.get("status") == "ok"),
         }
         for key, members in sorted(grouped.items())

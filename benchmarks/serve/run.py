@@ -122,7 +122,7 @@ class Bench:
         probe = checks.PointProbe(system.transfer, url, mode)
         await probe.before()
         fronted = isinstance(system, KvpushSystem)  # by a gateway: its rows of the point
-        ring_seq = await checks.ring_seq(url) if fronted else 0
+        ring_seq = await checks.ring_seq(url) if fronted else None
         desc = f"r{spec.repeat + 1} {system.name:<11} {point.dataset} {point.input_len:>5} "
         desc += f"{point.label:<9}"
         ids = f"{system.name}-r{spec.repeat + 1}-{point.dataset}-{point.input_len}-"

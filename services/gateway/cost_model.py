@@ -32,6 +32,8 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + queue_depth + sent since)
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
+                      (load counts a request not past its first token twice: in_flight and
+                      queue_depth; on D that includes push/pull requests waiting for KV)
     steps(D)        = (1 + load(D)) * step_ms(D)
     transfer(n)     = n * bytes_per_token / bytes_per_s
 
@@ -236,7 +238,7 @@ class CostModel:
             base = self.local_overhead_ms.value
             running = running or [0] * len(loads)
             return [
-                base + (load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
+                base + max(0, load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
                 for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
             ]
         base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
@@ -250,7 +252,8 @@ class CostModel:
         terms: dict[str, float] = {}
         if c.prefill_id is None or c.mode is TransferMode.LOCAL:
             terms["overhead"] = self.local_overhead_ms.value
-            terms["wait_d"] = self.wait_ms(c.decode_id, c.decode_load - c.decode_running)
+            waiting = max(0, c.decode_load - c.decode_running)  # as decode_parts counts it
+            terms["wait_d"] = self.wait_ms(c.decode_id, waiting)
             terms["decoding_d"] = c.decode_running * self.view(c.decode_id).step_ms
             terms["compute_d"] = self.compute_ms(c.decode_id, c.prompt_tokens - c.decode_hit)
         else:

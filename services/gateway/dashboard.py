@@ -79,8 +79,9 @@ class RecentRequests:
         its first byte or its parts are unknown (drawn as a grey row with ``status``);
         ``ttft_ms`` None falls back to the breakdown's sum. ``kv``: what decode did with a
         served push/pull request (``received`` or ``fallback``; empty otherwise). ``route``: its
-        routing decision (``RouteNote.row``'s keys: reason, choice, estimate, workers; the keys
-        are there, empty, without one)."""
+        routing decision (``RouteNote.row``'s keys: ``route_reason``, ``route_choice``,
+        ``estimate_ms``, ``prefix_tokens``, ``decode_id``, ``prefill_id``; there, empty,
+        without one)."""
         if ttft_ms is None and breakdown is not None:
             ttft_ms = breakdown.ttft_ms
         parts = None

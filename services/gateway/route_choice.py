@@ -181,8 +181,13 @@ def choose(
     for cost, rank, _, _, j, i in ranked[: ALTERNATIVES + 1]:
         if j < 0:
             candidate = Candidate(
-                TransferMode.LOCAL, d_ids[i], d_loads[i], d_hits[i], prompt_tokens
-            )._replace(decode_running=d_running[i])
+                TransferMode.LOCAL,
+                d_ids[i],
+                d_loads[i],
+                d_hits[i],
+                prompt_tokens,
+                decode_running=d_running[i],
+            )
         else:
             mode = TransferMode.PUSH if rank == 1 else TransferMode.PULL
             candidate = Candidate(

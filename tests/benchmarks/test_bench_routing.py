@@ -331,7 +331,8 @@ async def test_point_rows_reads_the_point_s_rows_once_they_are_there() -> None:
         by_id = await checks.point_rows(url, checks.ours_of("kvpush", 0, answered))
         assert [r["request_id"] for r in by_id or []] == ["p-1"]  # kvpush's client: its ids
     assert await checks.point_rows(url, ours) is None  # the gateway is gone
-    assert await checks.ring_seq(url) == 0
+    assert await checks.ring_seq(url) is None  # unread: no row is taken for the point
+    assert not checks.ours_of("vllm", None, [])({"seq": 5})
     assert await checks.point_extras(url, ours, 2) == {"breakdown": None, "routing": None}
 
 

@@ -210,6 +210,10 @@ def test_a_decode_worker_busy_decoding_still_computes_a_prompt_it_mostly_holds(
     terms = route.explanation.choice.terms
     assert terms["wait_d"] == 0.0 and terms["decoding_d"] > 0
     assert route.explanation.choice.candidate.decode_running == 4
+    for found in (route.explanation.choice, *route.explanation.alternatives):
+        # the O(P + D) parts and the full estimate add up the same terms
+        again = router.costs.estimate(found.candidate).total_ms
+        assert again == pytest.approx(found.total_ms), found
 
 
 def test_a_short_prompt_goes_local_and_a_pull_deployment_offers_pull(
