@@ -300,21 +300,16 @@ def ours_of(
 
 async def ring_seq(url: str) -> int | None:
     """The ``seq`` of the ring's newest row (0: none; None: the page cannot be read)."""
+    rows = await _ring_rows(url)
+    return None if rows is None else max((int(r.get("seq") or 0) for r in rows), default=0)
+
+
+async def _ring_rows(url: str) -> list[dict[str, Any]] | None:
+    """The ``requests`` of the gateway's ``/dashboard/data``; None when it cannot be read."""
     try:
         status, text = await _get(f"{url}/dashboard/data")
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-        return None
-    rows = _rows_of(text) if status == 200 else None
-    if rows is None:
-        return None
-    return max((int(r.get("seq") or 0) for r in rows), default=0)
-
-
-def _rows_of(text: str) -> list[dict[str, Any]] | None:
-    """The ``requests`` of a ``/dashboard/data`` body; None when it has none."""
-    try:
-        data = json.loads(text)
-    except ValueError:
+        data = json.loads(text) if status == 200 else None
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
         return None
     rows = data.get("requests") if isinstance(data, dict) else None
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
@@ -324,15 +319,12 @@ async def point_rows(
     url: str, ours: Callable[[dict[str, Any]], bool], expected: int = 0
 ) -> list[dict[str, Any]] | None:
     """This point's rows of the gateway's ``/dashboard/data`` (``ours``: is this row one of
-    them, ``ours_of``); None when it cannot be read. The gateway adds a row right after a request's
-    last chunk, so this waits (up to ``SETTLE_S``) for ``expected`` rows (at most the ring's)."""
+    them, ``ours_of``); None when it cannot be read. The gateway adds a row right after a
+    request's last chunk, so this waits (up to ``SETTLE_S``) for ``expected`` rows (at most
+    the ring's)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        try:
-            status, text = await _get(f"{url}/dashboard/data")
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-            return None
-        rows = _rows_of(text) if status == 200 else None
+        rows = await _ring_rows(url)
         if rows is None:
             return None
         found = [r for r in rows if ours(r)]
