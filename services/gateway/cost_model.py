@@ -228,15 +228,14 @@ class CostModel:
         views: Sequence[WorkerView],
         loads: Sequence[int],
         missing: Sequence[int],
-        running: Sequence[int] | None = None,
+        running: Sequence[int],
     ) -> list[float]:
         """Each D's share of an estimate: LOCAL's whole estimate; for push/pull, the hand-off,
         the transfer's tail of what D lacks, and D's steps. Per D: its ``view``, its load, the
         prompt tokens its prefix cache lacks (at least 0) and its requests past their first
-        token (``running``, part of its load; None: none)."""
+        token (``running``, part of its load)."""
         if mode is TransferMode.LOCAL:
             base = self.local_overhead_ms.value
-            running = running or [0] * len(loads)
             return [
                 base + max(0, load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
                 for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
