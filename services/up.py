@@ -4,8 +4,11 @@ Starts, in order: nats-server (embedded, or --nats-url URL for an external one),
 random-weight model, built once into the kvpush cache, or --model DIR), --prefill N prefill and
 --decode N decode workers as child processes, pinned to the cores in turn (P then D: with one
 of each on two cores, P on core 0 and D on core 1; with --tp N a worker has N ranks, a process
-each, and N cores), and the OpenAI-compatible gateway on
-127.0.0.1:8000. A line is printed for each worker once it is ready (its first heartbeat), then
+each, and N cores), and the OpenAI-compatible gateway on 127.0.0.1:8000 (--port 0: a free
+port, the one in the URL printed). The gateway's port and each worker's metrics port are bound
+by up itself before anything starts, their sockets handed down (``up_sockets``): a port in use
+fails at once, and no engine's ephemeral port can take one meanwhile. A line is printed for
+each worker once it is ready (its first heartbeat), then
 the URL and a curl example. A worker that exits is started again (after 1 s, doubled for each
 restart in a row, up to 30 s) while the others serve. Ctrl-C (SIGINT) or SIGTERM stops
 everything: the gateway first, then the workers (each drains: requests in flight finish), then
@@ -44,17 +47,20 @@ from kvpush.services.natsd import EmbeddedNats
 from kvpush.services.settings import ConfigError
 from kvpush.services.up_child import Child, gpus_started_together
 from kvpush.services.up_config import UpConfig
+from kvpush.services.up_sockets import (
+    close_all,
+    http_url,
+    listen,
+    listen_for_worker_metrics,
+    port_of,
+    reachable_host,
+    worker_metrics_host,
+)
 from kvpush.services.workers import config as worker_config
 
 RESTART_BACKOFF_S = 1.0  # a worker that exited starts again after this long ...
 RESTART_MAX_BACKOFF_S = 30.0  # ... doubled per restart in a row, up to this
 RESTART_RESET_S = 60.0  # a worker that ran this long starts again after the first backoff
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def say(message: str) -> None:
@@ -74,6 +80,9 @@ class Stack:
         self.gateway: Child | None = None
         self.gate_dir = ""  # the gates of engines waiting for their GPU (_gate)
         self.mps: MpsDaemon | None = None  # --mps on
+        self.listener: socket.socket | None = None  # the gateway's, bound first (setup)
+        self.port = config.port  # the gateway's: once bound, the real one (--port 0: any)
+        self.metrics_sockets: list[socket.socket] = []  # the workers', one each (_plan)
 
     @property
     def children(self) -> list[Child]:
@@ -81,6 +90,8 @@ class Stack:
 
     async def setup(self) -> None:
         cfg = self.config
+        self.listener = listen(cfg.host, cfg.port)  # first: a port in use stops nothing started
+        self.port = port_of(self.listener)
         if not self.nats_url:
             self.nats = EmbeddedNats()
             self.nats_url = await asyncio.to_thread(self.nats.start)
@@ -109,6 +120,7 @@ class Stack:
         cli = [sys.executable, "-m", "kvpush.services.cli"]
         # an external NATS may be shared: make this stack's worker ids unique on it
         suffix = "" if self.nats is not None else f"-{os.getpid()}"
+        metrics_host = worker_metrics_host()
         roles = [("prefill", i) for i in range(cfg.prefill)]
         roles += [("decode", i) for i in range(cfg.decode)]
         first = 0
@@ -133,28 +145,21 @@ class Stack:
                 if getattr(cfg, key):
                     argv += [up_config.WORKER[key].flags[0], str(getattr(cfg, key))]
             argv += [f"--engine-arg={flag}" for flag in cfg.engine_args_of(role)]
-            metrics_port = free_port()  # vLLM's vllm:* engine metrics of this worker
-            argv += ["--metrics-port", str(metrics_port)]
+            # vLLM's vllm:* engine metrics of this worker, on a socket up holds (restarts too)
+            metrics = listen_for_worker_metrics(metrics_host)
+            self.metrics_sockets.append(metrics)
+            argv += ["--metrics-fd", str(metrics.fileno())]
             log_path = Path(cfg.log_dir) / f"{name}.log"
-            child = Child(name, argv, log_path, mine, gpu)
-            child.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            child = Child(name, argv, log_path, mine, gpu, pass_fds=(metrics.fileno(),))
+            base = http_url(reachable_host(metrics_host), port_of(metrics))
+            child.metrics_url = f"{base}/metrics"
             self.workers.append(child)
-        options = f"--host {cfg.host} --port {cfg.port} --mode {cfg.mode.value}".split()
-        options += ["--first-token", cfg.first_token.value]
-        # requests sent while the workers start wait for them as long as this command does
-        options += ["--start-timeout-s", f"{cfg.start_timeout_s:g}"]
-        if cfg.prefill == 0:  # every prompt computed on D: the gateway is ready without P
-            options += ["--required-roles", "decode"]
-        if cfg.local_threshold is not None:
-            options += ["--local-threshold", str(cfg.local_threshold)]
-        if cfg.routing is not None:
-            options += ["--routing", str(getattr(cfg.routing, "value", cfg.routing))]
-        vllm_args = list(cfg.vllm_args)
-        if cfg.reasoning_parser:
-            vllm_args.append(f"--reasoning-parser={cfg.reasoning_parser}")
-        options += [f"--vllm-arg={flag}" for flag in vllm_args]
+        options = cfg.gateway_flags(self.port)
+        # it serves on the socket setup bound (without one, a plan alone: it binds --port)
+        fds = (self.listener.fileno(),) if self.listener is not None else ()
+        options += [arg for fd in fds for arg in ("--listen-fd", str(fd))]
         argv = [*cli, "gateway", *common, *options]
-        self.gateway = Child("gateway", argv, Path(cfg.log_dir) / "gateway.log")
+        self.gateway = Child("gateway", argv, Path(cfg.log_dir) / "gateway.log", pass_fds=fds)
 
     async def start(self) -> None:
         """Start every child and return once the gateway answers ``/ready``."""
@@ -232,8 +237,7 @@ class Stack:
     async def _wait_gateway(self) -> None:
         assert self.gateway is not None
         cfg = self.config
-        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
-        url = f"http://{host}:{cfg.port}/ready"
+        url = f"{http_url(reachable_host(cfg.host), self.port)}/ready"
         deadline = time.monotonic() + 60.0
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
             while time.monotonic() < deadline:
@@ -242,7 +246,7 @@ class Stack:
                     async with http.get(url) as response:
                         if response.status == 200:
                             self.gateway.ready_s = time.monotonic() - self.gateway.started_at
-                            say(f"  gateway ready on {cfg.host}:{cfg.port}")
+                            say(f"  gateway ready on {cfg.host}:{self.port}")
                             return
                 await asyncio.sleep(0.2)
         raise RuntimeError(f"the gateway did not answer {url} with 200 in 60 s")
@@ -257,7 +261,7 @@ class Stack:
 
     def banner(self) -> str:
         cfg = self.config
-        base = f"http://{cfg.host}:{cfg.port}"
+        base = http_url(cfg.host, self.port)
         body = f'{{"model": "{self.model_name}", "prompt": "Hello", "max_tokens": 16}}'
         lines = [
             f"kvpush is up: {base}/v1 (model {self.model_name}, mode {cfg.mode.value}). Try:",
@@ -315,7 +319,9 @@ class Stack:
         if any(c.exited is None for c in self.children):
             say("stopping: gateway, then workers (they finish what is in flight)")
         await self._stop([self.gateway] if self.gateway else [], 15.0, force)
+        close_all([self.listener])  # connections are refused now, not left waiting
         await self._stop(self.workers, self.config.stop_timeout_s, force)
+        close_all(self.metrics_sockets)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
         if self.gate_dir:

@@ -1,5 +1,6 @@
 """One child process of ``kvpush up`` (a worker or the gateway): how it starts (its own
-session, its log file, SIGTERM should ``up`` die: PR_SET_PDEATHSIG), whether it exited, the
+session, its log file, SIGTERM should ``up`` die: PR_SET_PDEATHSIG; the listening sockets
+``up`` holds for it, ``pass_fds``: the same ones at every start), whether it exited, the
 tail of its log, and what a starting worker's engine is doing (``phase``: from the last vLLM
 step its log names), which ``up`` prints while the stack starts; and which GPUs' engines may
 start at once (``gpus_started_together``).
@@ -51,6 +52,7 @@ class Child:
     ready_s: float | None = None
     metrics_url: str = ""  # a worker's vllm:* engine metrics
     restarts: int = 0
+    pass_fds: tuple[int, ...] = ()  # listening sockets up holds for it (up_sockets), kept open
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -63,6 +65,7 @@ class Child:
                 env=env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
+                pass_fds=self.pass_fds,  # every other descriptor of up's is closed in the child
             )
         self.started_at = time.monotonic()
 

@@ -133,6 +133,23 @@ class UpConfig:
         own = self.prefill_engine_args if role == "prefill" else self.decode_engine_args
         return (*self.engine_args, *own)
 
+    def gateway_flags(self, port: int) -> list[str]:
+        """The gateway's flags of this stack (``port``: the one ``up`` bound for it)."""
+        flags = ["--host", self.host, "--port", str(port), "--mode", self.mode.value]
+        flags += ["--first-token", self.first_token.value]
+        # requests sent while the workers start wait for them as long as `up` does
+        flags += ["--start-timeout-s", f"{self.start_timeout_s:g}"]
+        if self.prefill == 0:  # every prompt computed on D: the gateway is ready without P
+            flags += ["--required-roles", "decode"]
+        if self.local_threshold is not None:
+            flags += ["--local-threshold", str(self.local_threshold)]
+        if self.routing is not None:
+            flags += ["--routing", str(getattr(self.routing, "value", self.routing))]
+        vllm_args = list(self.vllm_args)
+        if self.reasoning_parser:
+            vllm_args.append(f"--reasoning-parser={self.reasoning_parser}")
+        return flags + [f"--vllm-arg={flag}" for flag in vllm_args]
+
     def check_engine_args(self) -> None:
         """vLLM's parser reads each role's engine flags now, not after the workers start."""
         from kvpush.services.workers.config import engine_core_of

@@ -7,8 +7,9 @@ connection, subscribes to ``kvpush.v1.heartbeat.*.*`` (worker registry),
 ``kvpush.v1.tokens.<gateway_id>`` (token streams) and ``kvpush.v1.cache.*.*`` (the workers'
 prefix caches: ``prefix_index``, which the router asks; a ``CacheSync`` on
 ``kvpush.v1.cache.sync`` asks each worker for a snapshot when it joins the registry, so at
-start, and again when the index missed its events), and serves the aiohttp app; ``.url`` is
-where.
+start, and again when the index missed its events), and serves the aiohttp app on
+``--host``/``--port``, or on the listening socket a parent bound for it (``--listen-fd``:
+``kvpush up``); ``.url`` is where.
 ``stop()`` drains: new requests get 503 and ``/ready`` turns 503, in-flight requests get
 ``shutdown_grace_s`` to finish, the rest are failed and aborted, then HTTP, subscriptions and
 NATS close (pending publishes flushed). ``serve(args)`` runs one gateway until SIGTERM/SIGINT
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Awaitable
 
@@ -124,10 +126,22 @@ class Gateway:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        await self._site(self._runner).start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+    def _site(self, runner: web.AppRunner) -> web.BaseSite:
+        """Where it listens: the socket a parent bound for it (``--listen-fd``), else
+        ``--host``/``--port``."""
+        fd = self.config.listen_fd
+        if fd is None:
+            return web.TCPSite(runner, self.config.host, self.config.port)
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            raise ConfigError(f"--listen-fd {fd}: no socket there ({exc})") from None
+        sock.set_inheritable(False)  # ours alone, not the processes vLLM starts
+        return web.SockSite(runner, sock)
 
     async def _on_kv(self, subject: str, message: object) -> None:
         """KvPushed / KvReady / KvFailed: counted (``observer``), and what a transfer cost

@@ -60,6 +60,14 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="PORT",
     ),
     Setting(
+        "listen_fd",
+        ("--listen-fd",),
+        int,
+        "serve on this already-listening socket, inherited from a parent that bound"
+        " --host/--port (as `kvpush up` does): no race for the port",
+        metavar="FD",
+    ),
+    Setting(
         "nats_url",
         ("--nats-url",),
         str,
@@ -242,6 +250,7 @@ class GatewayConfig:
     max_model_len: int | None = None  # default: stamp max_context / config.json
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
+    listen_fd: int | None = None  # an inherited listening socket: served instead of host:port
     nats_url: str = DEFAULT_NATS_URL
     gateway_id: str = dataclasses.field(default_factory=lambda: f"gw-{secrets.token_hex(4)}")
     mode: TransferMode = TransferMode.PUSH  # deployment default: push or pull
@@ -287,6 +296,8 @@ class GatewayConfig:
             raise ConfigError("max_queued and migration_limit must be >= 0")
         if self.local_threshold < 0 or not 0 <= self.port <= 65535:
             raise ConfigError("local_threshold must be >= 0 and port within 0..65535")
+        if self.listen_fd is not None and self.listen_fd < 0:
+            raise ConfigError(f"--listen-fd must be >= 0, not {self.listen_fd}")
 
     @classmethod
     def from_args(

@@ -85,7 +85,13 @@ class WorkerConfig:
     fault_step_delay_ms: float = 0.0  # ... a slow engine step (a slow decode)
     log_level: str = "INFO"
     metrics_port: int | None = None  # vLLM's vllm:* engine metrics on /metrics (0: any port)
+    metrics_fd: int | None = None  # ... on this inherited listening socket instead (kvpush up)
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
+
+    @property
+    def metrics_served(self) -> bool:
+        """Its engine metrics are served (``--metrics-port`` or ``--metrics-fd``): stats on."""
+        return self.metrics_port is not None or self.metrics_fd is not None
 
     @property
     def kv_events_endpoint(self) -> str:
@@ -132,7 +138,7 @@ class WorkerConfig:
                 "engine_core": engine_core,
                 "enforce_eager": eager,
                 "max_num_seqs": min(seqs, self.max_inflight) if seqs else None,
-                "log_stats": self.metrics_port is not None,
+                "log_stats": self.metrics_served,
                 "kv_transfer_config": {
                     "kv_connector": connector,
                     "kv_connector_module_path": module,
@@ -213,6 +219,8 @@ def config_from_args(
             f"--lease-s ({lease_s:g}) must be at least two heartbeats"
             f" (--heartbeat-s {heartbeat_s:g})"
         )
+    if values.get("metrics_fd", 0) < 0:
+        raise ConfigError(f"--metrics-fd must be >= 0, not {values['metrics_fd']}")
     if tp > 1 and executor == "uni":
         raise ConfigError("--tp > 1 needs --executor mp (one process per rank)")
     if tp > 1 and resolve_device(values.get("device", "auto")) == "cuda":

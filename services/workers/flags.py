@@ -108,6 +108,14 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="PORT",
     ),
     Setting(
+        "metrics_fd",
+        ("--metrics-fd",),
+        int,
+        "serve those engine metrics on this already-listening socket instead of --metrics-port,"
+        " inherited from a parent that bound it (as `kvpush up` does): no race for the port",
+        metavar="FD",
+    ),
+    Setting(
         "max_model_len",
         ("--max-model-len",),
         int,

@@ -7,9 +7,10 @@ CPU default: ``--engine-core``), one ``Bus`` connection, the in-flight map (tran
 ``InFlight``, inflight.py; the engine request id *is* the transfer id), its heartbeats
 (``heartbeats.Heartbeats``: every ``heartbeat_s``, stating its ``lease_s``, and its entry in the
 JetStream KV bucket of ``registry``, which seeds a starting peer's view), the view of the other
-role's workers (``peers``: ``PeerWatch``, ``services.membership``), and with
-``--metrics-port`` vLLM's own engine metrics (the ``vllm:*`` series its engine records in this
-process) on ``http://HOST:PORT/metrics``, with a decode worker's KV checks (``worker_metrics``).
+role's workers (``peers``: ``PeerWatch``, ``services.membership``), and with ``--metrics-port``
+(or ``--metrics-fd``, a socket its parent bound) vLLM's own engine metrics (the ``vllm:*``
+series its engine records in this process) on ``/metrics``, with a decode worker's KV checks
+(``worker_metrics``).
 ``PrefillWorker`` / ``DecodeWorker`` add what a request means for their role (``serve``,
 ``refuse``) and what a gone peer held means for them.
 
@@ -27,8 +28,8 @@ the heartbeat task; the engine host runs the engine on its own thread (``EngineH
 ``kvpush-engine``, the connector's worker half too; ``CoreEngineHost``: vLLM's client on
 ``kvpush-engine-client``, the engine in its own process) and feeds request outputs back; the
 connector keeps its own NATS connection on its ``kvpush-bus`` thread, vLLM's KV cache events
-are read on ``kvpush-kv-events`` (``cache_events``), prometheus_client's
-metrics server runs on its own daemon thread. Bounds: at most
+are read on ``kvpush-kv-events`` (``cache_events``), the metrics server runs on its own daemon
+thread (``worker_metrics.serve_metrics``). Bounds: at most
 ``max_inflight`` requests (past it the role's ``refuse`` answers at once), the abort memory
 holds ``ABORT_MEMORY`` transfer ids.
 """
@@ -45,7 +46,6 @@ import time
 from typing import Any, ClassVar
 
 from nats.aio.subscription import Subscription
-from prometheus_client import start_http_server
 
 from kvpush.connector import (
     BoundedDict,
@@ -72,7 +72,11 @@ from kvpush.services.workers.heartbeats import Heartbeats
 from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.peers import PeerWatch
 from kvpush.services.workers.registry import Registry
-from kvpush.services.workers.worker_metrics import IntegrityCollector, worker_registry
+from kvpush.services.workers.worker_metrics import (
+    IntegrityCollector,
+    serve_metrics,
+    worker_registry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,7 @@ class Worker:
         self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
-        self._metrics: Any = None  # --metrics-port: prometheus_client's HTTP server
+        self._metrics: Any = None  # --metrics-port / --metrics-fd: the HTTP server
         self._integrity: IntegrityCollector | None = None  # ... and a decode worker's KV checks
         self._inflight: dict[str, InFlight] = {}
         self._aborted: BoundedDict[str, str] = BoundedDict(ABORT_MEMORY)
@@ -145,10 +149,10 @@ class Worker:
         log.info(
             "%s %s: starting the engine (model %s)", self.role.value, cfg.worker_id, cfg.model_dir
         )
-        if cfg.metrics_port is not None:  # what vLLM's engine records (stats on) in this process
+        if cfg.metrics_served:  # what vLLM's engine records (stats on) in this process
             served = worker_registry()  # vllm:* (process-global) and this worker's own series
-            self._metrics, _ = start_http_server(
-                cfg.metrics_port, addr=cfg.side_channel_host, registry=served
+            self._metrics = serve_metrics(
+                served, cfg.side_channel_host, cfg.metrics_port, cfg.metrics_fd
             )
             host, port = self._metrics.server_address[:2]
             log.info("engine metrics (vllm:*) at http://%s:%d/metrics", host, port)

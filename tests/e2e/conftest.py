@@ -2,7 +2,8 @@
 
 ``up_stack`` (session) runs ``kvpush up`` as a user would, in its own session: it starts its
 own nats-server, reuses (or builds) the cached tiny model, one prefill worker (core 0), one
-decode worker (core 1) and the gateway on a free port, every service tracing into one
+decode worker (core 1) and the gateway on a port of its own pick (``--port 0``: the URL comes
+from its banner), every service tracing into one
 ``--trace-file``. Tests talk to it over HTTP with the
 official ``openai`` client, watch the workers' heartbeats over its NATS (``observer``), and
 start extra gateways in process (``start_gateway``) on the same NATS or on an empty one.
@@ -34,6 +35,7 @@ from kvpush.services.gateway import Gateway, GatewayConfig
 from tests.integration.worker_proc import Observer
 
 START_TIMEOUT_S = 240.0
+UP_URL = re.compile(r"kvpush is up: (http://\S+:\d+)/v1")  # up's banner: the gateway's URL
 PREFILL_ID, DECODE_ID = "prefill-0", "decode-0"
 
 
@@ -89,10 +91,13 @@ class UpStack:
         )
 
     def logs(self) -> str:
-        parts = [f"--- kvpush up ---\n{self.output()}"]
+        """The end of each child's log, then up's own output last: a failure shows its tail,
+        and up's lines say why it failed."""
+        parts: list[str] = []
         for path in sorted(self.log_dir.glob("*.log")):
             tail = path.read_text(errors="replace").splitlines()[-30:]
             parts.append(f"--- {path.name} ---\n" + "\n".join(tail))
+        parts.append(f"--- kvpush up ---\n{self.output()}")
         return "\n".join(parts)
 
     def membership_lines(self) -> str:
@@ -134,10 +139,9 @@ class UpStack:
 
 @contextlib.contextmanager
 def run_up(log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[UpStack]:
-    """``kvpush up`` with ``extra`` flags (and ``env`` on top of ours) on a free port; ready when
-    yielded, stopped after."""
-    port = free_port()
-    argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", str(port), *extra]
+    """``kvpush up`` with ``extra`` flags (and ``env`` on top of ours) on a port it picks and
+    binds itself (``--port 0``; read from its banner); ready when yielded, stopped after."""
+    argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--port", "0", *extra]
     with open(log_dir / "up.out", "wb") as out, open(log_dir / "up.err", "wb") as err:
         proc = subprocess.Popen(
             [*argv, "--log-dir", str(log_dir), "--trace-file", str(log_dir / "trace.jsonl")],
@@ -149,17 +153,18 @@ def run_up(log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Ite
             # check that every token came, not how fast)
             env={**os.environ, "KVPUSH_DRAIN_TIMEOUT_S": "300", **(env or {})},
         )
-    stack = UpStack(proc, f"http://127.0.0.1:{port}", "", "", log_dir)
+    stack = UpStack(proc, "", "", "", log_dir)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while "kvpush is up" not in stack.output():
             assert proc.poll() is None, f"kvpush up exited ({proc.returncode})\n{stack.logs()}"
             assert time.monotonic() < deadline, f"kvpush up not ready\n{stack.logs()}"
             time.sleep(0.2)
+        url = UP_URL.search(stack.output())
         nats = re.search(r"nats-server \(embedded, JetStream\): (nats://\S+)", stack.output())
         model = re.search(r"model kvpush-tiny: (\S+)", stack.output())
-        assert nats and model, stack.output()
-        stack.nats_url, stack.model_dir = nats.group(1), model.group(1)
+        assert url and nats and model, stack.output()
+        stack.url, stack.nats_url, stack.model_dir = url.group(1), nats.group(1), model.group(1)
         yield stack
     finally:
         if proc.poll() is None:

@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 import signal
 import string
@@ -166,7 +167,6 @@ async def test_the_stack_serves_over_tls_with_credentials(
     secure_nats: SecureNats, tiny_model: Path, tmp_path: Path
 ) -> None:
     s = secure_nats
-    port = _free_port()
     env = {
         **os.environ,
         "KVPUSH_NATS_USER": "kvpush",
@@ -175,7 +175,7 @@ async def test_the_stack_serves_over_tls_with_credentials(
         "KVPUSH_SIDE_CHANNEL_TOKEN": secrets.token_urlsafe(24),
     }
     argv = [sys.executable, "-m", "kvpush.services.cli", "up", "--nats", s.url]
-    argv += ["--model", str(tiny_model), "--port", str(port), "--log-dir", str(tmp_path)]
+    argv += ["--model", str(tiny_model), "--port", "0", "--log-dir", str(tmp_path)]
     out = tmp_path / "up.out"
     with open(out, "wb") as log:
         proc = subprocess.Popen(
@@ -187,7 +187,9 @@ async def test_the_stack_serves_over_tls_with_credentials(
             assert proc.poll() is None, out.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
             await asyncio.sleep(0.3)
-        url = f"http://127.0.0.1:{port}"
+        banner = re.search(r"kvpush is up: (http://\S+:\d+)/v1", out.read_text(errors="replace"))
+        assert banner, out.read_text(errors="replace")[-3000:]
+        url = banner.group(1)  # the port up bound (--port 0: its pick)
         prompt = "Over TLS with a password: flitul quean pyst, the plel of stroun"
         pushed = await completion_text(url, prompt, "push", 10)
         assert pushed == await completion_text(url, prompt, "local", 10) != ""
@@ -202,11 +204,3 @@ async def test_the_stack_serves_over_tls_with_credentials(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, out.read_text(errors="replace")[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

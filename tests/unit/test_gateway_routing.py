@@ -164,12 +164,22 @@ def test_config_flags_beat_env_and_env_beats_defaults() -> None:
     assert GatewayConfig.from_args(parse(), env).gateway_id.startswith("gw-")
 
 
+def test_the_gateway_serves_on_an_inherited_socket_when_given_one() -> None:
+    """--listen-fd: a listening socket its parent bound (kvpush up); none by default."""
+    assert GatewayConfig.from_args(parse("--model", "m"), {}).listen_fd is None
+    inherited = GatewayConfig.from_args(parse("--model", "m", "--listen-fd", "3"), {})
+    assert inherited.listen_fd == 3
+    with pytest.raises(ConfigError, match="--listen-fd must be >= 0"):
+        GatewayConfig.from_args(parse("--model", "m", "--listen-fd", "-1"), {})
+
+
 @pytest.mark.parametrize(
     "argv, env",
     [
         ((), {}),
         (("--model", "m", "--gateway-id", "bad.id"), {}),
         (("--model", "m", "--max-inflight", "0"), {}),
+        (("--model", "m"), {"KVPUSH_LISTEN_FD": "-3"}),
         (("--model", "m"), {"KVPUSH_REQUEST_TIMEOUT_S": "soon"}),
         (("--model", "m"), {"KVPUSH_MODE": "local"}),
     ],

@@ -1,9 +1,12 @@
 """``IntegrityCollector``: a decode worker's KV integrity counts as
-``kvpush_kv_integrity_total{outcome}``, read from its link at each scrape (a fake link here)."""
+``kvpush_kv_integrity_total{outcome}``, read from its link at each scrape (a fake link here);
+and ``serve_metrics`` on a listening socket a parent bound (``--metrics-fd``)."""
 
 from __future__ import annotations
 
 import random
+import socket
+import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -11,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from kvpush.services.workers.worker_metrics import (
     INTEGRITY_OUTCOMES,
     IntegrityCollector,
+    serve_metrics,
     worker_registry,
 )
 
@@ -102,3 +106,24 @@ def test_two_workers_in_one_process_serve_their_own_counts_beside_the_shared_ser
         names = [SERIES, "vllm_test_steps_total"]
         restricted = generate_latest(registry.restricted_registry(names)).decode()  # type: ignore[arg-type]
         assert "vllm_test_steps_total 7.0" in restricted and SERIES in restricted, restricted
+
+
+def test_a_worker_serves_its_metrics_on_the_socket_its_parent_bound() -> None:
+    """--metrics-fd: the server adopts the inherited listening socket as it is (no bind of its
+    own: its port is the parent's pick) and serves the registry there until it is shut down,
+    which closes the socket."""
+    registry = CollectorRegistry()
+    Counter("kvpush_test_scrapes", "scrapes", registry=registry).inc(3)
+    held = socket.create_server(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    server = serve_metrics(registry, "0.0.0.0", None, held.detach())  # the worker's now
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy
+    try:
+        assert server.server_address[:2] == ("127.0.0.1", port)
+        with direct.open(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            status, text = response.status, response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 200 and "kvpush_test_scrapes_total 3.0" in text, text
+    assert server.socket.fileno() == -1  # closed with the server
