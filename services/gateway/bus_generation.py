@@ -280,6 +280,7 @@ class BusGeneration:
         gw, route = self.gw, self.route
         if route is None:
             return
+        gw.router.ended(route)  # D's load drops now, not at its next heartbeat
         gw.streams.close(self.request_id)
         if self.first_at is None and self.first_byte is not None:
             self.first_byte.end()

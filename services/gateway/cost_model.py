@@ -8,9 +8,10 @@
   ``Timing`` (the last TokenChunk's, see ``services.telemetry.breakdown``): P's
   ``prefill_start -> prefill_end`` for push and pull (tokens: the prompt less P's prefix hit
   when the request was routed); D's ``decode_received -> first_token`` for LOCAL (tokens: the
-  prompt less the final chunk's ``num_cached_tokens``; D's queue wait is inside, so a loaded
-  D's rate reads low, which errs toward relieving it) and ``kv_landed -> first_token`` for
-  push and pull (step time);
+  prompt less the final chunk's ``num_cached_tokens``), only from a request routed with nothing
+  queued on D (its wait would be inside: ``wait_local`` charges waits already, and a service
+  time holding them counts each twice), and ``kv_landed -> first_token`` for push and pull
+  (step time);
 - the **KV transfer**: bytes/s and bytes per token from each ``KvPushed`` (``bytes / push_ms``,
   ``bytes / num_tokens``), the share of a push that is not hidden behind P's compute (its
   ``timing``: ``(kv_sent - prefill_end) / push_ms``), and for pull the READ of a finished
@@ -30,10 +31,11 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
     PUSH  P -> D    = handoff + wait(P) + compute(P, prompt - hit(P))
                       + push_tail_share * transfer(prompt - hit(D)) + steps(D)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
-    wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + queue_depth + sent since)
+    wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
-                      (load counts a request not past its first token twice: in_flight and
-                      queue_depth; on D that includes push/pull requests waiting for KV)
+                      (load - running: D's queue_depth, its LOCAL requests not past their first
+                      token, and those sent since; a push/pull request waiting for its KV is
+                      running: a step once the KV lands, not a prefill)
     steps(D)        = (1 + load(D)) * step_ms(D)
     transfer(n)     = n * bytes_per_token / bytes_per_s
 
@@ -42,13 +44,13 @@ tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``,
 ``get_num_new_matched_tokens`` reports ``prompt - local hit`` as the external tokens and
 ``update_state_after_alloc`` names only those blocks), so a prefix hit on D shrinks the
 transfer: that is prefix-partial push. P computes what its own prefix cache lacks. A LOCAL
-request waits behind D's prefills (the requests not past their first token, and those sent
-since D's heartbeat) each a service time, and behind D's decoding requests (``running``) each
-a step: vLLM batches a new prompt with the running decodes, it does not queue it behind them
-(charged a service time each, a D streaming four answers read as four prefills ahead and the
-LOCAL estimate of a reused prefix came out far above its TTFT on the CPU routing benchmark). A
-disaggregated request waits on P's load, and on D only for steps (its KV is computed
-elsewhere): a D busy with prefills and an idle P favour a transfer.
+request waits behind D's prefills (its LOCAL requests not past their first token, and those sent
+since D's heartbeat) each a service time, and behind D's other requests (``running``: decoding,
+or waiting for their KV) each a step: vLLM batches a new prompt with the running decodes, it
+does not queue it behind them (charged a service time each, a D streaming four answers read as
+four prefills ahead and the LOCAL estimate of a reused prefix came out far above its TTFT on
+the CPU routing benchmark). A disaggregated request waits on P's load, and on D only for
+steps (its KV is computed elsewhere): a D busy with prefills and an idle P favour a transfer.
 
 The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``, each over
 the workers' ``view``, load and prompt tokens missing from their prefix cache), so the router
@@ -302,15 +304,18 @@ class CostModel:
         cached_tokens: int | None = None,
         timing: Timing | None,
         published_ns: int = 0,
+        queued: int = 0,
     ) -> None:
         """A request finished: learn from its ``timing`` (the last TokenChunk's). ``cached_tokens``
-        is that chunk's ``num_cached_tokens``; the hits are what the index said at routing."""
+        is that chunk's ``num_cached_tokens``; the hits are what the index said at routing, and
+        ``queued`` D's requests waiting for a prefill then (LOCAL: a wait that teaches no rate)."""
         if timing is None:
             return
         t = timing
         if mode is TransferMode.LOCAL or prefill_id is None:
             computed = prompt_tokens - (cached_tokens or 0)
-            self._prefilled(decode_id, computed, t.decode_received, t.first_token)
+            if not queued:
+                self._prefilled(decode_id, computed, t.decode_received, t.first_token)
             if published_ns and t.decode_received:  # clocks of two hosts: at least 0
                 self.local_overhead_ms.update(max(0, t.decode_received - published_ns) / 1e6)
             return

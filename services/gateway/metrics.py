@@ -75,7 +75,7 @@ DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 WORKER_GAUGES = (
     ("kvpush_worker_free_blocks", "free KV blocks of the worker's engine", "free_blocks"),
     ("kvpush_worker_total_blocks", "KV blocks of the worker's engine", "total_blocks"),
-    ("kvpush_worker_queue_depth", "requests waiting for their first step", "queue_depth"),
+    ("kvpush_worker_queue_depth", "requests waiting for the worker's own prefill", "queue_depth"),
     ("kvpush_worker_in_flight", "requests the worker is serving", "in_flight"),
 )
 

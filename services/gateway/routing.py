@@ -9,9 +9,11 @@ alive (its in-flight requests finish) but gets no new work and does not count fo
 heartbeat with a new epoch means the worker restarted: requests routed to an older epoch are
 lost there (``Gateway`` moves them to another decode worker, or fails them at once).
 
-A worker's load is the heartbeat's ``in_flight + queue_depth`` plus the requests this gateway
-sent to it since that heartbeat (so a burst between two heartbeats spreads instead of piling
-onto one worker).
+A worker's load is the heartbeat's ``in_flight`` (its ``queue_depth`` is part of it) plus the
+requests this gateway sent to it since that heartbeat (so a burst between two heartbeats spreads
+instead of piling onto one worker), less those of this gateway's requests the heartbeat still
+counts that ended since (``Router.ended``: a beat read between two requests does not count the
+finished one for up to a heartbeat period).
 
 ``Router.route`` has two policies (``RoutingPolicy``, ``--routing``):
 
@@ -106,6 +108,8 @@ class WorkerState:
     member: Member
     sent_since_heartbeat: int = 0
     last_pick: float = 0.0
+    ended_since_heartbeat: int = 0  # this gateway's requests that heartbeat counts, ended since
+    beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
 
     @property
     def heartbeat(self) -> WorkerHeartbeat:
@@ -113,14 +117,15 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        hb = self.heartbeat
-        return hb.in_flight + hb.queue_depth + self.sent_since_heartbeat
+        hb = self.heartbeat  # in_flight holds queue_depth: a queued request counts once
+        return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
 
     @property
     def running(self) -> int:
-        """Requests past their first token (on D: decoding); inside ``load`` too."""
+        """Requests past their first token (on D: decoding, or waiting for their KV); inside
+        ``load`` too. An ended request was past its first token."""
         hb = self.heartbeat
-        return max(0, hb.in_flight - hb.queue_depth)
+        return max(0, hb.in_flight - hb.queue_depth - self.ended_since_heartbeat)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ class Route:
     prefill_epoch: int | None = None  # None: no real prefill worker takes part
     prefill_sends_first_token: bool = False  # its heartbeat says it sends FirstToken
     explanation: RouteExplanation | None = None  # the routed policy's: why this route
+    decode_beats: int = -1  # D's heartbeats read when it was sent (-1: unknown; Router.ended)
 
     def note(self, reason: str) -> RouteNote:
         """The dashboard's note of this route (``reason``: ``record_decision``'s)."""
@@ -183,7 +189,8 @@ class WorkerRegistry:
         member = self.membership.observe(hb)
         state = self._workers.get((hb.role, hb.worker_id))
         if member is not None and state is not None and state.member is member:
-            state.sent_since_heartbeat = 0
+            state.sent_since_heartbeat = state.ended_since_heartbeat = 0
+            state.beats += 1
 
     def _joined(self, member: Member) -> None:
         hb = member.heartbeat
@@ -257,6 +264,18 @@ class WorkerRegistry:
         if count:
             state.sent_since_heartbeat += 1
 
+    def ended(self, role: WorkerRole, worker_id: str, epoch: int, beats: int) -> None:
+        """A request sent to ``worker_id`` (of ``epoch``, after ``beats`` of its heartbeats)
+        ended: it leaves the worker's load now. No heartbeat read since it was sent: it is in
+        ``sent_since_heartbeat``; else the latest one counts it (until the next resets both)."""
+        state = self._workers.get((role, worker_id))
+        if state is None or state.heartbeat.epoch != epoch or beats < 0:
+            return
+        if state.beats == beats:
+            state.sent_since_heartbeat = max(0, state.sent_since_heartbeat - 1)
+        else:
+            state.ended_since_heartbeat += 1
+
     def counts(self) -> dict[str, int]:
         return {role.value: len(self.alive(role)) for role in WorkerRole}
 
@@ -304,7 +323,8 @@ class Router:
             try:  # any live P carries the subject; it ignores LOCAL requests, so no load
                 prefill = self.registry.pick(WorkerRole.PREFILL, count=False)
             except NoWorkerError:
-                return Route(DECODE_ONLY, decode.heartbeat.worker_id, mode, decode.heartbeat.epoch)
+                d = decode.heartbeat
+                return Route(DECODE_ONLY, d.worker_id, mode, d.epoch, decode_beats=decode.beats)
         else:
             prefill = self.registry.pick(WorkerRole.PREFILL)
         transfer = mode is not TransferMode.LOCAL
@@ -315,6 +335,7 @@ class Router:
             decode.heartbeat.epoch,
             prefill.heartbeat.epoch if transfer else None,
             transfer and prefill.heartbeat.sends_first_token,
+            decode_beats=decode.beats,
         )
 
     def _routed(self, prompt: int | Sequence[int], requested: TransferMode | None) -> Route:
@@ -364,11 +385,20 @@ class Router:
                 self.registry.mark(carrier, count=False)
                 prefill_id = carrier.heartbeat.worker_id
             local = TransferMode.LOCAL
-            return Route(prefill_id, d.worker_id, local, d.epoch, None, False, explanation)
+            return Route(
+                prefill_id, d.worker_id, local, d.epoch, None, False, explanation, decode.beats
+            )
         p = prefill.heartbeat
         mode = picked.choice.candidate.mode
         return Route(
-            p.worker_id, d.worker_id, mode, d.epoch, p.epoch, p.sends_first_token, explanation
+            p.worker_id,
+            d.worker_id,
+            mode,
+            d.epoch,
+            p.epoch,
+            p.sends_first_token,
+            explanation,
+            decode.beats,
         )
 
     def learn(
@@ -382,6 +412,7 @@ class Router:
         """A request of ``route`` finished: feed its timing to the cost model (``timing``: the
         last TokenChunk's, ``cached_tokens``: its ``num_cached_tokens``)."""
         explained = route.explanation
+        chosen = explained.choice.candidate if explained else None
         self.costs.learn(
             route.mode,
             route.prefill_id if route.prefill_epoch is not None else None,
@@ -392,7 +423,14 @@ class Router:
             cached_tokens=cached_tokens,
             timing=timing,
             published_ns=published_ns,
+            queued=max(0, chosen.decode_load - chosen.decode_running) if chosen else 0,
         )
+
+    def ended(self, route: Route) -> None:
+        """A request of ``route`` ended (answered, failed or abandoned): D's load drops now.
+        (P's request ended earlier, at an instant the gateway does not see: its beat decides.)"""
+        decode = WorkerRole.DECODE
+        self.registry.ended(decode, route.decode_id, route.decode_epoch, route.decode_beats)
 
     def lost(self, route: Route) -> WorkerRole | None:
         """The role whose worker of ``route`` died or restarted (decode first: its work is

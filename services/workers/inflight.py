@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import propagate
 
 from kvpush.connector import TransferParams, samples_on_prefill
-from kvpush.schemas.messages import RequestEvent, WorkerRole
+from kvpush.schemas.messages import RequestEvent, TransferMode, WorkerRole
 from kvpush.services.workers.handles import RequestHandle
 
 
@@ -28,6 +28,14 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     aborted: str | None = None  # why it was aborted ("deadline", or the Abort's reason)
     timer: asyncio.TimerHandle | None = None
+
+    def queued_for_prefill(self, role: WorkerRole) -> bool:
+        """Waits for this worker's own prefill (a heartbeat's ``queue_depth``): not past its
+        first output and, on D, computed there (LOCAL). A push/pull request on D waits for
+        P's KV, not for D's engine: once it lands it costs D a step, not a prefill."""
+        if self.handle is not None and self.handle.first_output_at is not None:
+            return False
+        return role is not WorkerRole.DECODE or self.event.mode is TransferMode.LOCAL
 
     def kv_params(self, prefill_addresses: list[str] | None = None) -> dict[str, Any]:
         """The connector's ``kv_transfer_params`` for this request (trace context included)."""

@@ -351,11 +351,7 @@ class Worker:
 
     # ---- heartbeats and registry ------------------------------------------------------------
     def heartbeat(self) -> WorkerHeartbeat:
-        waiting = sum(
-            1
-            for e in self._inflight.values()
-            if e.handle is None or e.handle.first_output_at is None
-        )
+        waiting = sum(1 for e in self._inflight.values() if e.queued_for_prefill(self.role))
         return WorkerHeartbeat(
             worker_id=self.worker_id,
             role=self.role,

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 from kvpush.connector.params import samples_on_prefill
-from kvpush.schemas.messages import RequestEvent, TransferMode
+from kvpush.schemas.messages import RequestEvent, TransferMode, WorkerRole
 from kvpush.schemas.sampling import SamplingSpec, StructuredOutputs, TokenLogprob
 from kvpush.services.workers.decode import chunk_fields, wants_outputs
 from kvpush.services.workers.fanout import Answers, child_id
 from kvpush.services.workers.first_token import prefill_sampling
 from kvpush.services.workers.handles import EngineOutput, RequestHandle
+from kvpush.services.workers.inflight import InFlight
 from kvpush.services.workers.prefill import PREFILL_SAMPLING, PrefillWorker
 
 RID = "tid-abcdefgh"
@@ -157,6 +158,18 @@ def event(mode: str = "push", **sampling: Any) -> RequestEvent:
         prompt_token_ids=[1, 2], reply_subject="kvpush.v1.tokens.gw", deadline_ms=0,
         sampling=SamplingSpec(**sampling), mode=TransferMode(mode),
     )  # fmt: skip
+
+
+def test_a_worker_s_queue_depth_counts_what_waits_for_its_own_prefill() -> None:
+    """On D a push/pull request waits for P's KV (a step once it lands), not for D's prefill;
+    on P every request not past its first output does."""
+    local, push = InFlight(event("local")), InFlight(event("push"))
+    assert local.queued_for_prefill(WorkerRole.DECODE)
+    assert not push.queued_for_prefill(WorkerRole.DECODE)
+    assert push.queued_for_prefill(WorkerRole.PREFILL)
+    local.handle = RequestHandle("t")
+    local.handle.first_output_at = 1.0  # past its first output: decoding
+    assert not local.queued_for_prefill(WorkerRole.DECODE)
 
 
 def test_prefill_leaves_a_request_for_the_prompt_s_logprobs_to_decode() -> None:

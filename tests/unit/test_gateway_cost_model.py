@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -135,6 +136,16 @@ def test_pushes_teach_the_transfer_and_finished_pushes_the_rate_and_handoff() ->
     assert model.bytes_per_s.value == pytest.approx(expected)
 
 
+def test_a_local_request_that_queued_teaches_no_rate_nor_service_time() -> None:
+    model = CostModel()
+    model.learn(LOCAL, None, "d0", 1000, cached_tokens=0, timing=local_timing(1, 100))
+    # 800 ms of it were a wait behind two prefills: wait_local charges those already
+    waited = local_timing(1, 900)
+    model.learn(LOCAL, None, "d0", 1000, cached_tokens=0, timing=waited, queued=2)
+    assert model.compute_ms("d0", 1000) == pytest.approx(100.0)
+    assert model.wait_ms("d0", 1) == pytest.approx(100.0)
+
+
 def test_a_request_without_timing_teaches_nothing() -> None:
     model = CostModel()
     model.learn(PUSH, "p0", "d0", 100, timing=None)
@@ -214,6 +225,47 @@ def test_a_decode_worker_busy_decoding_still_computes_a_prompt_it_mostly_holds(
         # the O(P + D) parts and the full estimate add up the same terms
         again = router.costs.estimate(found.candidate).total_ms
         assert again == pytest.approx(found.total_ms), found
+
+
+def test_a_queued_request_counts_once_in_a_worker_s_load(registry: WorkerRegistry) -> None:
+    registry.observe(beat(D, "d0", in_flight=2, queue_depth=1))  # one prefilling, one decoding
+    (d0,) = [s for s in registry.alive(D) if s.heartbeat.worker_id == "d0"]
+    assert (d0.load, d0.running) == (2, 1)
+    router = routed(registry, {"d0": 4096})
+    warm_up(router.costs)
+    route = router.route(list(range(4000)))
+    assert route.mode is LOCAL and route.decode_id == "d0" and route.explanation is not None
+    terms, view = route.explanation.choice.terms, router.costs.view("d0")
+    assert terms["wait_d"] == pytest.approx(view.service_ms)  # one prefill ahead, not two
+    assert terms["decoding_d"] == pytest.approx(view.step_ms)
+
+
+def test_a_request_that_ended_leaves_d_s_load_before_its_next_heartbeat(
+    registry: WorkerRegistry,
+) -> None:
+    """One request at a time: a heartbeat read while the previous one decoded, or none read
+    since it was sent, must not make an idle D look busy (its LOCAL estimate charged a wait)."""
+    router = routed(registry, {"d0": 4096})
+    warm_up(router.costs)
+    (d0,) = [s for s in registry.alive(D) if s.heartbeat.worker_id == "d0"]
+    first = router.route(list(range(4000)))
+    assert first.decode_id == "d0" and d0.load == 1
+    registry.observe(beat(D, "d0", in_flight=1))  # the beat counts it, decoding
+    router.ended(first)  # the gateway saw its last chunk: the beat is stale
+    assert (d0.load, d0.running) == (0, 0)
+    second = router.route(list(range(4000)))
+    assert second.explanation is not None
+    terms = second.explanation.choice.terms
+    assert terms["wait_d"] == 0.0 and terms["decoding_d"] == 0.0
+    router.learn(second, 4000, 3999, local_timing(1, 3))  # nothing queued: D's rate learns
+    assert router.costs.workers["d0"].service_ms.samples == 1
+    router.ended(second)  # no beat read since it was sent
+    assert d0.load == 0 and d0.sent_since_heartbeat == 0
+    registry.observe(beat(D, "d0"))  # the next beat resets what ended since the last
+    assert d0.ended_since_heartbeat == 0 and d0.load == 0
+    stale = dataclasses.replace(first, decode_epoch=first.decode_epoch + 1)
+    router.ended(stale)  # a route to another epoch of d0 ends nothing of this one
+    assert d0.ended_since_heartbeat == 0
 
 
 def test_a_short_prompt_goes_local_and_a_pull_deployment_offers_pull(

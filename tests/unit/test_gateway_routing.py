@@ -49,7 +49,7 @@ def test_draining_workers_get_no_new_work_but_stay_alive(registry: WorkerRegistr
 
 def test_decode_choice_is_least_loaded_then_most_free_blocks(registry: WorkerRegistry) -> None:
     registry.observe(beat(D, "busy", in_flight=3))
-    registry.observe(beat(D, "queued", queue_depth=2))
+    registry.observe(beat(D, "queued", in_flight=2, queue_depth=2))  # queue_depth is in in_flight
     registry.observe(beat(D, "idle", free_blocks=10))
     registry.observe(beat(D, "roomy", free_blocks=90))
     assert registry.pick(D).heartbeat.worker_id == "roomy"
