@@ -64,7 +64,7 @@ class Fleet:
     def __init__(self, rng: random.Random) -> None:
         from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
         from kvpush.services.gateway.prefix_index import PrefixIndex
-        from kvpush.services.gateway.routing import WorkerRegistry
+        from kvpush.services.gateway.worker_registry import WorkerRegistry
 
         self.registry = WorkerRegistry(lease_s=3600.0)
         self.index = PrefixIndex()

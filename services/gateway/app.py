@@ -42,9 +42,10 @@ from kvpush.services.gateway.http_server import GatewayApi
 from kvpush.services.gateway.metrics import GatewayMetrics
 from kvpush.services.gateway.model import ModelInfo, load_model
 from kvpush.services.gateway.prefix_index import PrefixIndex
-from kvpush.services.gateway.routing import Router, WorkerRegistry
+from kvpush.services.gateway.routing import Router
 from kvpush.services.gateway.streaming import TokenStreams
 from kvpush.services.gateway.vllm_serving import build_serving
+from kvpush.services.gateway.worker_registry import WorkerRegistry
 from kvpush.services.membership import Member
 
 log = logging.getLogger(__name__)

@@ -55,8 +55,9 @@ from kvpush.services.gateway.errors import ApiError
 from kvpush.services.gateway.migration import Lost, Migration
 from kvpush.services.gateway.observe import FinishedRequest
 from kvpush.services.gateway.route_choice import record_decision
-from kvpush.services.gateway.routing import NoWorkerError, first_token_by
+from kvpush.services.gateway.routing import first_token_by
 from kvpush.services.gateway.streaming import StreamFailed
+from kvpush.services.gateway.worker_registry import NoWorkerError
 
 if TYPE_CHECKING:
     from kvpush.connector import Bus

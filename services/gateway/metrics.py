@@ -26,8 +26,8 @@ from prometheus_client.registry import Collector
 from kvpush.schemas.messages import WorkerRole
 
 if TYPE_CHECKING:
-    from kvpush.services.gateway.routing import WorkerRegistry
     from kvpush.services.gateway.streaming import StreamStats
+    from kvpush.services.gateway.worker_registry import WorkerRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (

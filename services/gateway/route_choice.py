@@ -46,7 +46,7 @@ class RouteReason(str, enum.Enum):
 
 
 class LiveWorker(Protocol):
-    """What the choice reads of a live worker (``routing.WorkerState``)."""
+    """What the choice reads of a live worker (``worker_registry.WorkerState``)."""
 
     @property
     def heartbeat(self) -> WorkerHeartbeat: ...

@@ -1,19 +1,5 @@
-"""Worker registry (the gateway's view of ``services.membership``) and the routing policy: which
-P, which D, which mode.
-
-``WorkerRegistry`` feeds the heartbeats seen on ``kvpush.v1.heartbeat.>`` to a ``Membership``
-(docs/bus.md, membership): a worker is *alive* while its heartbeats keep arriving within its
-lease (the one its heartbeats state, 1.5 s by default; ``--worker-lease-s`` for heartbeats that
-state none); a look-up expires the members past their lease first. A *draining* worker stays
-alive (its in-flight requests finish) but gets no new work and does not count for readiness. A
-heartbeat with a new epoch means the worker restarted: requests routed to an older epoch are
-lost there (``Gateway`` moves them to another decode worker, or fails them at once).
-
-A worker's load is the heartbeat's ``in_flight`` (its ``queue_depth`` is part of it) plus the
-requests this gateway sent to it since that heartbeat (so a burst between two heartbeats spreads
-instead of piling onto one worker), less those of this gateway's requests the heartbeat still
-counts that ended since (``Router.ended``: a beat read between two requests does not count the
-finished one for up to a heartbeat period).
+"""The routing policy: which P, which D, which mode (``Router``), over the live workers of
+``worker_registry.WorkerRegistry`` (their load, their epochs).
 
 ``Router.route`` has two policies (``RoutingPolicy``, ``--routing``):
 
@@ -38,31 +24,23 @@ worker alive, on ``req.<DECODE_ONLY>.<D>``. Push and pull need a live P.
 heartbeat's ``sends_first_token``) and P's token gives the answer one engine gives
 (``samples_on_prefill``), else decode.
 
-``wait_for(role)`` returns once a worker of ``role`` has been seen since the registry started
-(the gateway holds requests on it while workers start).
-
-Bounds: at most ``max_workers`` members; heartbeats of further workers are dropped and counted.
 Threading model: asyncio, on the gateway's loop only (the bus handler and request handlers);
 no locks, no awaits inside a selection.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 from kvpush.connector import samples_on_prefill
-from kvpush.schemas.codec import BusMessage
 from kvpush.schemas.messages import (
     SamplingSpec,
     Timing,
     TransferMode,
-    WorkerHeartbeat,
     WorkerRole,
 )
 from kvpush.services.gateway.cost_model import CostModel
@@ -71,13 +49,10 @@ from kvpush.services.gateway.route_choice import (
     RouteNote,
     RouteReason,
     choose,
-    decode_order,
     prefill_order,
     route_note,
 )
-from kvpush.services.membership import DEFAULT_LEASE_S, LeaveReason, Member, Membership
-
-log = logging.getLogger(__name__)
+from kvpush.services.gateway.worker_registry import NoWorkerError, WorkerRegistry
 
 DECODE_ONLY: Final = "_"
 """Prefill id of a LOCAL request published while no prefill worker is alive."""
@@ -101,33 +76,6 @@ class PrefixLookup(Protocol):
         ...
 
 
-@dataclass
-class WorkerState:
-    """A live member and what this gateway's selection keeps of it."""
-
-    member: Member
-    sent_since_heartbeat: int = 0
-    last_pick: float = 0.0
-    ended_since_heartbeat: int = 0  # this gateway's requests that heartbeat counts, ended since
-    beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
-
-    @property
-    def heartbeat(self) -> WorkerHeartbeat:
-        return self.member.heartbeat
-
-    @property
-    def load(self) -> int:
-        hb = self.heartbeat  # in_flight holds queue_depth: a queued request counts once
-        return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
-
-    @property
-    def running(self) -> int:
-        """Requests past their first token (on D: decoding, or waiting for their KV); inside
-        ``load`` too. An ended request was past its first token."""
-        hb = self.heartbeat
-        return max(0, hb.in_flight - hb.queue_depth - self.ended_since_heartbeat)
-
-
 @dataclass(frozen=True)
 class Route:
     prefill_id: str
@@ -143,141 +91,6 @@ class Route:
         """The dashboard's note of this route (``reason``: ``record_decision``'s)."""
         prefill_id = self.prefill_id if self.prefill_epoch is not None else ""
         return route_note(reason, self.decode_id, prefill_id, self.explanation)
-
-
-class NoWorkerError(LookupError):
-    """No live, non-draining worker of ``role``."""
-
-    def __init__(self, role: WorkerRole) -> None:
-        super().__init__(f"no {role.value} worker is available")
-        self.role = role
-
-
-@dataclass
-class RegistryStats:
-    expired: int = 0
-    restarts: int = 0
-    model_mismatch: set[str] = field(default_factory=set)
-
-
-class WorkerRegistry:
-    """Live workers by role; see the module docstring."""
-
-    def __init__(
-        self,
-        lease_s: float = DEFAULT_LEASE_S,
-        *,
-        model: str | None = None,
-        max_workers: int = 4096,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.membership = Membership(lease_s, max_members=max_workers, clock=clock)
-        self.membership.listeners.joined.append(self._joined)
-        self.membership.listeners.left.append(self._left)
-        self.model = model
-        self.stats = RegistryStats()
-        self._clock = clock
-        self._workers: dict[tuple[WorkerRole, str], WorkerState] = {}
-        self._seen = {role: asyncio.Event() for role in WorkerRole}  # set: a worker was seen
-
-    async def on_message(self, subject: str, message: BusMessage) -> None:
-        """Bus handler for ``kvpush.v1.heartbeat.>``."""
-        if isinstance(message, WorkerHeartbeat):
-            self.observe(message)
-
-    def observe(self, hb: WorkerHeartbeat) -> None:
-        member = self.membership.observe(hb)
-        state = self._workers.get((hb.role, hb.worker_id))
-        if member is not None and state is not None and state.member is member:
-            state.sent_since_heartbeat = state.ended_since_heartbeat = 0
-            state.beats += 1
-
-    def _joined(self, member: Member) -> None:
-        hb = member.heartbeat
-        self._workers[member.key] = WorkerState(member)
-        self._seen[hb.role].set()
-        if self.model and hb.model != self.model and hb.worker_id not in self.stats.model_mismatch:
-            self.stats.model_mismatch.add(hb.worker_id)
-            log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
-
-    def _left(self, member: Member) -> None:
-        state = self._workers.get(member.key)
-        if state is not None and state.member is member:
-            del self._workers[member.key]
-        if member.left_because is LeaveReason.RESTARTED:
-            self.stats.restarts += 1
-        elif member.left_because is LeaveReason.EXPIRED:
-            self.stats.expired += 1
-
-    @property
-    def rejected(self) -> int:
-        """Heartbeats of workers past ``max_workers``, dropped."""
-        return self.membership.rejected
-
-    def seen(self, role: WorkerRole) -> bool:
-        """Whether a worker of ``role`` has sent a heartbeat since the registry started."""
-        return self._seen[role].is_set()
-
-    async def wait_for(self, role: WorkerRole) -> None:
-        """Return once a worker of ``role`` has been seen (at once if one has been)."""
-        await self._seen[role].wait()
-
-    async def back(self, role: WorkerRole, timeout_s: float, poll_s: float = 0.1) -> bool:
-        """Wait up to ``timeout_s`` for a live worker of ``role`` when one was seen before (a
-        worker that missed its lease on a busy host rejoins within a few); False at once when
-        none ever was."""
-        deadline = time.monotonic() + timeout_s
-        while self._seen[role].is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(poll_s)
-            if self.alive(role):
-                return True
-        return False
-
-    def alive(
-        self, role: WorkerRole, *, include_draining: bool = False, tick: bool = True
-    ) -> list[WorkerState]:
-        """The live workers of ``role`` (``tick``: expire those past their lease first)."""
-        if tick:
-            self.membership.tick()
-        members = self.membership.members(role, include_draining=include_draining)
-        return [self._workers[m.key] for m in members]
-
-    def epoch(self, role: WorkerRole, worker_id: str) -> int | None:
-        """The live worker's epoch, or None if it is gone (lease expired)."""
-        self.membership.tick()
-        return self.membership.epoch(role, worker_id)
-
-    def pick(self, role: WorkerRole, *, count: bool = True) -> WorkerState:
-        candidates = self.alive(role)
-        if not candidates:
-            raise NoWorkerError(role)
-        if role is WorkerRole.DECODE:
-            best = min(candidates, key=decode_order)
-        else:
-            best = min(candidates, key=prefill_order)
-        self.mark(best, count=count)
-        return best
-
-    def mark(self, state: WorkerState, *, count: bool = True) -> None:
-        """``state`` was picked now (and, with ``count``, sent a request)."""
-        state.last_pick = self._clock()
-        if count:
-            state.sent_since_heartbeat += 1
-
-    def ended(self, role: WorkerRole, worker_id: str, epoch: int, beats: int) -> None:
-        """A request sent to ``worker_id`` (of ``epoch``, after ``beats`` of its heartbeats)
-        ended: it leaves the worker's load now. No heartbeat read since it was sent: it is in
-        ``sent_since_heartbeat``; else the latest one counts it (until the next resets both)."""
-        state = self._workers.get((role, worker_id))
-        if state is None or state.heartbeat.epoch != epoch or beats < 0:
-            return
-        if state.beats == beats:
-            state.sent_since_heartbeat = max(0, state.sent_since_heartbeat - 1)
-        else:
-            state.ended_since_heartbeat += 1
-
-    def counts(self) -> dict[str, int]:
-        return {role.value: len(self.alive(role)) for role in WorkerRole}
 
 
 class Router:

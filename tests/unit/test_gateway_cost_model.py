@@ -11,7 +11,8 @@ from kvpush.schemas.messages import KvPushed, Timing, TransferMode, WorkerRole
 from kvpush.services.gateway import cost_model
 from kvpush.services.gateway.cost_model import Candidate, CostModel
 from kvpush.services.gateway.route_choice import RouteReason
-from kvpush.services.gateway.routing import Router, RoutingPolicy, WorkerRegistry
+from kvpush.services.gateway.routing import Router, RoutingPolicy
+from kvpush.services.gateway.worker_registry import WorkerRegistry
 from tests.unit.beats import Clock, beat
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE

@@ -9,7 +9,8 @@ import pytest
 
 from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services.gateway import ConfigError, GatewayConfig, add_arguments
-from kvpush.services.gateway.routing import DECODE_ONLY, NoWorkerError, Router, WorkerRegistry
+from kvpush.services.gateway.routing import DECODE_ONLY, Router
+from kvpush.services.gateway.worker_registry import NoWorkerError, WorkerRegistry
 from tests.unit.beats import Clock, beat
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE

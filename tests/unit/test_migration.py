@@ -6,7 +6,8 @@ from kvpush.schemas.messages import SequenceOutput, TokenChunk, TransferMode
 from kvpush.schemas.messages import WorkerRole as R
 from kvpush.schemas.sampling import SamplingSpec
 from kvpush.services.gateway.migration import Lost, Migration
-from kvpush.services.gateway.routing import Router, WorkerRegistry
+from kvpush.services.gateway.routing import Router
+from kvpush.services.gateway.worker_registry import WorkerRegistry
 from tests.unit.beats import beat
 
 
