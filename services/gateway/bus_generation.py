@@ -281,7 +281,7 @@ class BusGeneration:
         gw, route = self.gw, self.route
         if route is None:
             return
-        gw.router.ended(route)  # D's load drops now, not at its next heartbeat
+        gw.router.ended(route, started=self.first_at is not None)  # D's load drops now
         gw.streams.close(self.request_id)
         if self.first_at is None and self.first_byte is not None:
             self.first_byte.end()
@@ -330,6 +330,7 @@ class BusGeneration:
             self.first_byte.end()
         self.context.sent_first = True
         assert self.route is not None
+        self.gw.router.started(self.route)  # a LOCAL request runs on D now
         self.gw.metrics.ttft.labels(self.route.mode.value).observe(self.first_at - self.arrived)
 
     async def _publish(self, event: RequestEvent) -> None:

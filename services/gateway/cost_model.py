@@ -33,9 +33,10 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
-                      (load - running: D's queue_depth, its LOCAL requests not past their first
-                      token, and those sent since; a push/pull request waiting for its KV is
-                      running: a step once the KV lands, not a prefill)
+                      (load - running: D's LOCAL requests not past their first token, by
+                      its heartbeat's queue_depth and what the gateway saw since (sent,
+                      started: ``worker_registry.WorkerState.waiting``); a push/pull request
+                      waiting for its KV is running: a step once the KV lands, not a prefill)
     steps(D)        = (1 + load(D)) * step_ms(D)
     transfer(n)     = n * bytes_per_token / bytes_per_s
 

@@ -131,7 +131,7 @@ class Router:
             if requested is not None:  # the client asked for a transfer: say why it can't be
                 raise NoWorkerError(WorkerRole.PREFILL)
             mode = TransferMode.LOCAL  # degraded, not down: decode computes the prompt
-        decode = self.registry.pick(WorkerRole.DECODE)
+        decode = self.registry.pick(WorkerRole.DECODE, running=mode is not TransferMode.LOCAL)
         if mode is TransferMode.LOCAL:
             try:  # any live P carries the subject; it ignores LOCAL requests, so no load
                 prefill = self.registry.pick(WorkerRole.PREFILL, count=False)
@@ -181,7 +181,7 @@ class Router:
             hits = self.prefix.matched_tokens(prompt, workers)
         picked = choose(self.costs, prompt_tokens, hits, decodes, prefills, modes)
         decode, prefill = picked.decode, picked.prefill
-        self.registry.mark(decode)
+        self.registry.mark(decode, running=prefill is not None)  # a transfer: a step on D
         if prefill is not None:
             self.registry.mark(prefill)
         explanation = RouteExplanation(
@@ -239,11 +239,25 @@ class Router:
             queued=max(0, chosen.decode_load - chosen.decode_running) if chosen else 0,
         )
 
-    def ended(self, route: Route) -> None:
-        """A request of ``route`` ended (answered, failed or abandoned): D's load drops now.
-        (P's request ended earlier, at an instant the gateway does not see: its beat decides.)"""
-        decode = WorkerRole.DECODE
-        self.registry.ended(decode, route.decode_id, route.decode_epoch, route.decode_beats)
+    def started(self, route: Route) -> None:
+        """The answer of ``route`` got its first token: a LOCAL request on D runs now (D's
+        heartbeat says so up to a heartbeat period later)."""
+        if route.mode is TransferMode.LOCAL:
+            decode = WorkerRole.DECODE
+            self.registry.started(decode, route.decode_id, route.decode_epoch, route.decode_beats)
+
+    def ended(self, route: Route, *, started: bool) -> None:
+        """A request of ``route`` ended (answered, failed or abandoned; ``started``: it had its
+        first token): D's load drops now. (P's request ended earlier, at an instant the gateway
+        does not see: its beat decides.)"""
+        running = started or route.mode is not TransferMode.LOCAL
+        self.registry.ended(
+            WorkerRole.DECODE,
+            route.decode_id,
+            route.decode_epoch,
+            route.decode_beats,
+            running=running,
+        )
 
     def lost(self, route: Route) -> WorkerRole | None:
         """The role whose worker of ``route`` died or restarted (decode first: its work is

@@ -41,12 +41,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerState:
-    """A live member and what this gateway's selection keeps of it."""
+    """A live member and what this gateway's selection keeps of it: its last heartbeat,
+    corrected by what this gateway saw since (requests it sent, that started, that ended)."""
 
     member: Member
-    sent_since_heartbeat: int = 0
-    last_pick: float = 0.0
+    sent_since_heartbeat: int = 0  # this gateway's requests sent to it since its heartbeat ...
+    sent_running: int = 0  # ... of those, past their first token, or (on D) waiting for KV
+    started_since_heartbeat: int = 0  # requests the heartbeat counts as queued, started since
     ended_since_heartbeat: int = 0  # this gateway's requests that heartbeat counts, ended since
+    last_pick: float = 0.0
     beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
 
     @property
@@ -59,11 +62,17 @@ class WorkerState:
         return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
 
     @property
+    def waiting(self) -> int:
+        """Requests waiting for this worker's own prefill (its heartbeat's ``queue_depth``, less
+        those that started since, and those sent since not started); inside ``load``."""
+        queued = max(0, self.heartbeat.queue_depth - self.started_since_heartbeat)
+        return min(self.load, queued + self.sent_since_heartbeat - self.sent_running)
+
+    @property
     def running(self) -> int:
         """Requests past their first token (on D: decoding, or waiting for their KV); inside
-        ``load`` too. An ended request was past its first token."""
-        hb = self.heartbeat
-        return max(0, hb.in_flight - hb.queue_depth - self.ended_since_heartbeat)
+        ``load`` too."""
+        return self.load - self.waiting
 
 
 class NoWorkerError(LookupError):
@@ -110,7 +119,8 @@ class WorkerRegistry:
         member = self.membership.observe(hb)
         state = self._workers.get((hb.role, hb.worker_id))
         if member is not None and state is not None and state.member is member:
-            state.sent_since_heartbeat = state.ended_since_heartbeat = 0
+            state.sent_since_heartbeat = state.sent_running = 0
+            state.started_since_heartbeat = state.ended_since_heartbeat = 0
             state.beats += 1
 
     def _joined(self, member: Member) -> None:
@@ -168,7 +178,8 @@ class WorkerRegistry:
         self.membership.tick()
         return self.membership.epoch(role, worker_id)
 
-    def pick(self, role: WorkerRole, *, count: bool = True) -> WorkerState:
+    def pick(self, role: WorkerRole, *, count: bool = True, running: bool = False) -> WorkerState:
+        """The least-loaded live worker of ``role``, marked picked (``mark``)."""
         candidates = self.alive(role)
         if not candidates:
             raise NoWorkerError(role)
@@ -176,24 +187,47 @@ class WorkerRegistry:
             best = min(candidates, key=decode_order)
         else:
             best = min(candidates, key=prefill_order)
-        self.mark(best, count=count)
+        self.mark(best, count=count, running=running)
         return best
 
-    def mark(self, state: WorkerState, *, count: bool = True) -> None:
-        """``state`` was picked now (and, with ``count``, sent a request)."""
+    def mark(self, state: WorkerState, *, count: bool = True, running: bool = False) -> None:
+        """``state`` was picked now (and, with ``count``, sent a request; ``running``: one that
+        does not wait for its prefill there: on D, a push or pull request)."""
         state.last_pick = self._clock()
         if count:
             state.sent_since_heartbeat += 1
+            state.sent_running += running
 
-    def ended(self, role: WorkerRole, worker_id: str, epoch: int, beats: int) -> None:
-        """A request sent to ``worker_id`` (of ``epoch``, after ``beats`` of its heartbeats)
-        ended: it leaves the worker's load now. No heartbeat read since it was sent: it is in
-        ``sent_since_heartbeat``; else the latest one counts it (until the next resets both)."""
+    def _state(self, role: WorkerRole, worker_id: str, epoch: int) -> WorkerState | None:
         state = self._workers.get((role, worker_id))
-        if state is None or state.heartbeat.epoch != epoch or beats < 0:
+        return state if state is not None and state.heartbeat.epoch == epoch else None
+
+    def started(self, role: WorkerRole, worker_id: str, epoch: int, beats: int) -> None:
+        """A request sent to ``worker_id`` (of ``epoch``, after ``beats`` of its heartbeats) that
+        waited for its prefill there got its first token: it runs now. No heartbeat read since
+        it was sent: it is in ``sent_since_heartbeat``; else the latest one counts it."""
+        state = self._state(role, worker_id, epoch)
+        if state is None or beats < 0:
+            return
+        if state.beats == beats:
+            state.sent_running = min(state.sent_since_heartbeat, state.sent_running + 1)
+        else:
+            state.started_since_heartbeat += 1
+
+    def ended(
+        self, role: WorkerRole, worker_id: str, epoch: int, beats: int, *, running: bool
+    ) -> None:
+        """A request sent to ``worker_id`` (as in ``started``; ``running``: past its first token,
+        or one that never waited there) ended: it leaves the worker's load now, not at the
+        next heartbeat."""
+        state = self._state(role, worker_id, epoch)
+        if state is None or beats < 0:
             return
         if state.beats == beats:
             state.sent_since_heartbeat = max(0, state.sent_since_heartbeat - 1)
+            if running:
+                state.sent_running = max(0, state.sent_running - 1)
+            state.sent_running = min(state.sent_running, state.sent_since_heartbeat)
         else:
             state.ended_since_heartbeat += 1
 

@@ -252,7 +252,7 @@ def test_a_request_that_ended_leaves_d_s_load_before_its_next_heartbeat(
     first = router.route(list(range(4000)))
     assert first.decode_id == "d0" and d0.load == 1
     registry.observe(beat(D, "d0", in_flight=1))  # the beat counts it, decoding
-    router.ended(first)  # the gateway saw its last chunk: the beat is stale
+    router.ended(first, started=True)  # the gateway saw its last chunk: the beat is stale
     assert (d0.load, d0.running) == (0, 0)
     second = router.route(list(range(4000)))
     assert second.explanation is not None
@@ -260,13 +260,41 @@ def test_a_request_that_ended_leaves_d_s_load_before_its_next_heartbeat(
     assert terms["wait_d"] == 0.0 and terms["decoding_d"] == 0.0
     router.learn(second, 4000, 3999, local_timing(1, 3))  # nothing queued: D's rate learns
     assert router.costs.workers["d0"].service_ms.samples == 1
-    router.ended(second)  # no beat read since it was sent
+    router.ended(second, started=True)  # no beat read since it was sent
     assert d0.load == 0 and d0.sent_since_heartbeat == 0
     registry.observe(beat(D, "d0"))  # the next beat resets what ended since the last
     assert d0.ended_since_heartbeat == 0 and d0.load == 0
     stale = dataclasses.replace(first, decode_epoch=first.decode_epoch + 1)
-    router.ended(stale)  # a route to another epoch of d0 ends nothing of this one
+    router.ended(stale, started=True)  # another epoch of d0's route ends nothing of this one
     assert d0.ended_since_heartbeat == 0
+
+
+def test_what_the_gateway_saw_since_a_heartbeat_moves_requests_from_waiting_to_running(
+    registry: WorkerRegistry,
+) -> None:
+    """A LOCAL request waits for D's prefill until its first token (then a step each), a push
+    request on D never does (its KV comes from P), whether the heartbeat counts it or not."""
+    router = routed(registry, {"d0": 4096})
+    warm_up(router.costs)
+    (d0,) = [s for s in registry.alive(D) if s.heartbeat.worker_id == "d0"]
+    local = router.route(list(range(4000)))
+    assert local.mode is LOCAL and local.decode_id == "d0"
+    assert (d0.load, d0.waiting, d0.running) == (1, 1, 0)  # sent since the beat: waiting
+    router.started(local)  # its first token: running
+    assert (d0.load, d0.waiting, d0.running) == (1, 0, 1)
+    pushed = router.route(list(range(4000)), PUSH)
+    assert pushed.decode_id == "d0", pushed
+    assert (d0.load, d0.waiting, d0.running) == (2, 0, 2)  # waits for P's KV, not for D
+    registry.observe(beat(D, "d0", in_flight=2, queue_depth=1))  # a beat from before it started
+    assert (d0.load, d0.waiting, d0.running) == (2, 1, 1)
+    router.started(local)  # after the beat: what it counts as queued runs now
+    assert (d0.load, d0.waiting, d0.running) == (2, 0, 2)
+    router.ended(local, started=True)
+    router.ended(pushed, started=False)
+    assert (d0.load, d0.waiting, d0.running) == (0, 0, 0)
+    failed = router.route(list(range(4000)))  # a LOCAL request that failed before its start
+    router.ended(failed, started=False)
+    assert (d0.load, d0.sent_since_heartbeat, d0.sent_running) == (0, 0, 0)
 
 
 def test_a_short_prompt_goes_local_and_a_pull_deployment_offers_pull(
