@@ -24,15 +24,8 @@ any request was served without a transfer (or could not be verified). How, per s
 
 ``none`` (aggregated): nothing moves; the check does not apply (n/a).
 
-What the kvpush gateway says of a point's requests (every kvpush system, ``transfer``
-``gateway`` or ``none``): ``point_rows`` reads the point's rows of ``/dashboard/data`` (a
-ring of the last 200 finished requests, newest first: of a longer point, its last 200) once
-for both pure summaries the ``Point`` keeps (``point_extras`` does the three; ``ours_of``
-tells the point's rows: those added after ``ring_seq`` read before it, or the ids answered):
-``breakdown_of`` (P50/P99/mean of each TTFT part) and ``routing_of`` (how the gateway routed
-them: per ``mode/route_reason`` the count, the TTFT P50 of those served OK, the cost model's
-estimate P50 and D's prefix hit P50, and the count per decode worker; ``results.py`` shows
-the shape). A key an older gateway does not send is taken as absent.
+What the kvpush gateway says of a point's requests (its TTFT breakdown and routing decisions)
+is read by ``gateway_rows.py``.
 
 Threading model: asyncio on the bench's loop (one short HTTP GET per snapshot); the
 ``*_check``, ``*_of`` functions are pure.
@@ -42,19 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.benchmarks.serve.loadgen import RequestResult
 from kvpush.benchmarks.serve.results import NOT_APPLICABLE, TransferCheck
-from kvpush.services.gateway.dashboard import DEFAULT_CAPACITY as RING
-from kvpush.services.telemetry.breakdown import PART_NAMES
 
 SETTLE_S = 5.0
 PROXY_USAGE = ("d_loaded", "d_computed", "d_unverified")  # the proxy's counts of D's usage
@@ -211,7 +199,8 @@ def proxy_check(
 # -- snapshots around a point ------------------------------------------------------------------
 
 
-async def _get(url: str) -> tuple[int, str]:
+async def http_get(url: str) -> tuple[int, str]:
+    """GET ``url``: its status and text (10 s at most)."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp,
@@ -233,11 +222,11 @@ class PointProbe:
 
     async def _snapshot(self) -> Any:
         if self.transfer == "gateway":
-            status, text = await _get(f"{self.url}/metrics")
+            status, text = await http_get(f"{self.url}/metrics")
             if status != 200:
                 raise RuntimeError(f"/metrics: HTTP {status}")
             return gateway_counts(text)
-        status, text = await _get(f"{self.url}/proxy/stats")
+        status, text = await http_get(f"{self.url}/proxy/stats")
         if status != 200:
             raise RuntimeError(f"/proxy/stats: HTTP {status}")
         try:
@@ -278,118 +267,3 @@ class PointProbe:
 
 def _outcomes(before: dict[str, float], after: dict[str, float]) -> int:
     return _sum(_delta(before, after), "outcome.")
-
-
-# -- the gateway's rows of a point: TTFT breakdown and routing decisions -------------------------
-
-ABSENT = "-"  # a mode or route reason the row does not name (an older gateway, no decision)
-
-
-def ours_of(
-    client: str, after_seq: int | None, results: list[RequestResult]
-) -> Callable[[dict[str, Any]], bool]:
-    """Which gateway rows are this point's: with vLLM's client (``client`` "vllm") those the
-    ring added after ``after_seq`` (``ring_seq`` before the point; the point is the only
-    traffic then: vLLM's ``prefix_repetition`` dataset drops ``--request-id-prefix``, so the
-    ids cannot tell), with kvpush's the ids it answered."""
-    if client == "vllm":  # after_seq None (the ring was not read before the point): none
-        return lambda row: after_seq is not None and int(row.get("seq") or 0) > after_seq
-    answered = {r.request_id for r in results if r.request_id}
-    return lambda row: str(row.get("request_id") or "") in answered
-
-
-async def ring_seq(url: str) -> int | None:
-    """The ``seq`` of the ring's newest row (0: none; None: the page cannot be read)."""
-    rows = await _ring_rows(url)
-    return None if rows is None else max((int(r.get("seq") or 0) for r in rows), default=0)
-
-
-async def _ring_rows(url: str) -> list[dict[str, Any]] | None:
-    """The ``requests`` of the gateway's ``/dashboard/data``; None when it cannot be read."""
-    try:
-        status, text = await _get(f"{url}/dashboard/data")
-        data = json.loads(text) if status == 200 else None
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-        return None
-    rows = data.get("requests") if isinstance(data, dict) else None
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
-
-
-async def point_rows(
-    url: str, ours: Callable[[dict[str, Any]], bool], expected: int = 0
-) -> list[dict[str, Any]] | None:
-    """This point's rows of the gateway's ``/dashboard/data`` (``ours``: is this row one of
-    them, ``ours_of``); None when it cannot be read. The gateway adds a row right after a
-    request's last chunk, so this waits (up to ``SETTLE_S``) for ``expected`` rows (at most
-    the ring's)."""
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        rows = await _ring_rows(url)
-        if rows is None:
-            return None
-        found = [r for r in rows if ours(r)]
-        if len(found) >= min(expected, RING) or time.monotonic() >= deadline:
-            return found
-        await asyncio.sleep(0.05)
-
-
-def breakdown_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """P50/P99/mean per TTFT part of the rows that have their parts; None without any."""
-    parts = [r["parts_ms"] for r in rows if r.get("parts_ms")]
-    if not parts:
-        return None
-    result: dict[str, Any] = {"requests": len(parts)}
-    for name in PART_NAMES:
-        values = np.asarray([p[name] for p in parts])
-        result[name] = {
-            "mean": round(float(values.mean()), 3),
-            "p50": round(float(np.percentile(values, 50)), 3),
-            "p99": round(float(np.percentile(values, 99)), 3),
-        }
-    return result
-
-
-def _p50(values: Iterable[Any]) -> float | None:
-    found = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-    return round(statistics.median(found), 3) if found else None
-
-
-def _decode_hit(row: dict[str, Any]) -> Any:
-    held = row.get("prefix_tokens")
-    return held[1] if isinstance(held, list | tuple) and len(held) == 2 else None
-
-
-def routing_of(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """How the gateway routed the rows; None without rows. Keys sorted, floats to 3 decimals:
-    ``{"decode": {decode_id: count}, "groups": {"<mode>/<route_reason>": {"count",
-    "decode_prefix_p50" (tokens), "estimate_p50_ms" and "ttft_p50_ms" (both of those served OK)}},
-    "requests"}`` (a P50 without a value: null; a row without a decode worker: not counted)."""
-    if not rows:
-        return None
-    grouped: dict[str, list[dict[str, Any]]] = {}
-    decode: dict[str, int] = {}
-    for row in rows:
-        key = f"{row.get('mode') or ABSENT}/{row.get('route_reason') or ABSENT}"
-        grouped.setdefault(key, []).append(row)
-        if row.get("decode_id"):
-            decode[str(row["decode_id"])] = decode.get(str(row["decode_id"]), 0) + 1
-    groups = {
-        key: {
-            "count": len(members),
-            "decode_prefix_p50": _p50(_decode_hit(r) for r in members),
-            "estimate_p50_ms": _p50(
-                r.get("estimate_ms") for r in members if r.get("status") == "ok"
-            ),
-            "ttft_p50_ms": _p50(r.get("ttft_ms") for r in members if r.get("status") == "ok"),
-        }
-        for key, members in sorted(grouped.items())
-    }
-    return {"decode": dict(sorted(decode.items())), "groups": groups, "requests": len(rows)}
-
-
-async def point_extras(
-    url: str, ours: Callable[[dict[str, Any]], bool], expected: int
-) -> dict[str, Any]:
-    """A kvpush point's ``breakdown`` and ``routing`` (both None when the rows are unread)."""
-    rows = await point_rows(url, ours, expected) or []
-    return {"breakdown": breakdown_of(rows), "routing": routing_of(rows)}

@@ -212,7 +212,8 @@ def _breakdown_lines(rows: list[Row]) -> list[str]:
     for r in parts:
         assert r.breakdown is not None
         cells = " | ".join(_num(r.breakdown.get(n)) for n in PART_NAMES)
-        lines.append(f"| {_point_label(r)} | {r.system} | {cells} |")
+        held = f" (ring held {r.breakdown_partial})" if r.breakdown_partial else ""
+        lines.append(f"| {_point_label(r)} | {r.system}{held} | {cells} |")
     return [*lines, ""]
 
 

@@ -12,8 +12,9 @@ checked against these structs). One ``Point`` per (system, table, point, repeat)
   ``output_digests`` (per request in order, a digest of its completion: token identity);
 - ``breakdown`` (kvpush systems: per TTFT part mean/p50/p99, from the gateway);
 - ``routing`` (kvpush systems: how the gateway routed the point's requests, from its
-  ``/dashboard/data``, ``checks.routing_of``; keys sorted, ms and tokens to 3 decimals):
-  ``requests`` (rows read: at most the gateway's last 200), ``groups`` per
+  ``/dashboard/data``, ``gateway_rows.routing_of``; keys sorted, ms and tokens to 3 decimals):
+  ``requests`` (rows read: at most the gateway's last 200; ``of``: the requests completed,
+  present only when fewer rows were read, ``ring_partial``), ``groups`` per
   ``<mode>/<route_reason>`` (``push/cost``, ``local/cold``, ``push/least-loaded``, ...; ``-``
   where the gateway named none) its ``count``, ``ttft_p50_ms`` (requests served OK),
   ``estimate_p50_ms`` (the cost model's estimated TTFT of its choice: the ``routed`` policy
@@ -113,6 +114,14 @@ class Document(msgspec.Struct, kw_only=True):
     points: list[Point] = msgspec.field(default_factory=list)
     ratios: list[dict[str, Any]] = msgspec.field(default_factory=list)
     verdicts: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+def ring_partial(summary: dict[str, Any] | None) -> str:
+    """ "N of M" when a point's ``breakdown`` or ``routing`` read fewer gateway rows than the
+    point completed (its ``of``: the gateway's ring held only the last ones), else ""."""
+    if not summary or "of" not in summary:
+        return ""
+    return f"{summary.get('requests', 0)} of {summary['of']}"
 
 
 def point(row: dict[str, Any]) -> Point:

@@ -123,7 +123,8 @@ def _median_of(groups: list[dict[str, Any]], key: str, figure: str) -> str:
 def decision_cells(routings: list[dict[str, Any]]) -> tuple[str, str, str]:
     """One point's repeats (a ``Point.routing`` each): the requests per mode/reason (summed
     over repeats), TTFT P50 vs estimate P50 per mode/reason (ms, medians over repeats) and the
-    requests per decode worker (summed); a dash for what no repeat has."""
+    requests per decode worker (summed); a dash for what no repeat has. A repeat whose rows the
+    gateway's ring could not all hold says so in the first cell ("ring held 200 of 480")."""
     groups = [r.get("groups") or {} for r in routings]
     counts = _summed([{k: g.get("count", 0) for k, g in found.items()} for found in groups])
     decode = _summed([r.get("decode") or {} for r in routings])
@@ -131,8 +132,10 @@ def decision_cells(routings: list[dict[str, Any]]) -> tuple[str, str, str]:
         f"{k} {_median_of(groups, k, 'ttft_p50_ms')} vs {_median_of(groups, k, 'estimate_p50_ms')}"
         for k in sorted(counts)
     )
+    held = [shown for r in routings if (shown := results_mod.ring_partial(r))]
+    note = f" (ring held {', '.join(held)})" if held else ""
     return (
-        ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())) or "—",
+        (", ".join(f"{k}: {n}" for k, n in sorted(counts.items())) or "—") + note,
         ", ".join(timed) or "—",
         ", ".join(f"{k} {n}" for k, n in sorted(decode.items())) or "—",
     )

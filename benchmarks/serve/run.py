@@ -9,7 +9,7 @@ length on the first system that reaches it and reused for every system and repea
 under ``capacity``). kvpush systems (every ``KvpushSystem``: the gateway fronts them) also
 report per point their TTFT breakdown (computed from the timing carried on the bus: no tracing
 needed) and how the gateway routed the point's requests, both from its ``/dashboard/data``
-(``checks.point_extras``).
+(``gateway_rows.py``).
 
 Writes ``results.json`` (``results.py``: every point of every repeat, plus the ratios and
 verdicts ``summary.py`` derives), ``results.md`` (what ``kvpush bench report`` generates) and
@@ -41,6 +41,7 @@ from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import (
     checkpoint,
     checks,
+    gateway_rows,
     loadgen,
     plan,
     report,
@@ -122,7 +123,7 @@ class Bench:
         probe = checks.PointProbe(system.transfer, url, mode)
         await probe.before()
         fronted = isinstance(system, KvpushSystem)  # by a gateway: its rows of the point
-        ring_seq = await checks.ring_seq(url) if fronted else None
+        mark = await gateway_rows.ring_mark(url) if fronted else None
         desc = f"r{spec.repeat + 1} {system.name:<11} {point.dataset} {point.input_len:>5} "
         desc += f"{point.label:<9}"
         ids = f"{system.name}-r{spec.repeat + 1}-{point.dataset}-{point.input_len}-"
@@ -174,8 +175,10 @@ class Bench:
             "first_token_by": getattr(system, "first_token_by", ""),
         }
         if fronted:
-            ours = checks.ours_of(self.plan.client, ring_seq, found)
-            row.update(await checks.point_extras(url, ours, row["completed"]))
+            ours = gateway_rows.ours_of(self.plan.client, mark, found)
+            row.update(await gateway_rows.point_extras(url, ours, row["completed"]))
+            if shown := results.ring_partial(row["routing"] or row["breakdown"]):
+                _say(f"{desc}: the gateway's ring held {shown} of the point's requests")
         return results.point(row)
 
     async def restart(self, system: System) -> float | None:

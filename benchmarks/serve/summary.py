@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvpush.benchmarks.serve import ALL_SYSTEMS
-from kvpush.benchmarks.serve.results import Document, Point
+from kvpush.benchmarks.serve.results import Document, Point, ring_partial
 from kvpush.services.telemetry.breakdown import PART_NAMES
 
 REFERENCE = "kvpush-push"
@@ -71,6 +71,7 @@ class Row(msgspec.Struct, kw_only=True):
     figures: dict[str, Spread]
     check: CheckSummary
     breakdown: dict[str, float] | None = None  # part -> median over repeats of its P50
+    breakdown_partial: str = ""  # repeats whose parts are of the ring's last rows: "200 of 480"
     first_token_by: str = ""  # "prefill": P sampled the first token (see results.Point)
 
     @property
@@ -166,6 +167,9 @@ def rows(document: Document) -> list[Row]:
                 figures=figures,
                 check=_check(points),
                 breakdown=_breakdown(points),
+                breakdown_partial=", ".join(
+                    shown for p in points if (shown := ring_partial(p.breakdown))
+                ),
                 first_token_by=first.first_token_by,
             )
         )

@@ -10,7 +10,9 @@ generation requests with their TTFT ``Breakdown``) and two routes (``add_routes`
   consecutive segments, one per non-zero part, on a scale shared by all rows; a row's mode
   shows its routing decision on hover (reason, candidate, estimated TTFT, prefix held).
 - ``GET /dashboard/data``: ``{"parts": [[name, label, color], ...], "counters": {...},
-  "requests": [...]}`` (newest first), ``Cache-Control: no-store``.
+  "requests": [...], "ring": {"instance", "capacity"}}`` (requests newest first, each with a
+  ``seq`` counted from 1 in this process; ``instance``: a token new at each gateway start, so a
+  reader that kept a ``seq`` can tell a restart), ``Cache-Control: no-store``.
 
 Threading model: everything runs on the gateway's event loop; ``RecentRequests`` is not
 thread-safe (``add`` and ``snapshot`` are called from that loop only).
@@ -23,6 +25,7 @@ import hashlib
 import importlib.resources
 import math
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +58,7 @@ class RecentRequests:
         if capacity <= 0:
             raise ValueError("capacity must be > 0")
         self.capacity = capacity
+        self.instance = secrets.token_hex(8)  # this ring's, new at each gateway start
         self._rows: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._seq = 0
 
@@ -170,7 +174,12 @@ def add_routes(
 
     async def data(request: web.Request) -> web.Response:
         tiles = {str(k): _finite(v) for k, v in counters().items()}
-        payload = {"parts": PARTS, "counters": tiles, "requests": recent.snapshot()}
+        payload = {
+            "parts": PARTS,
+            "counters": tiles,
+            "requests": recent.snapshot(),
+            "ring": {"instance": recent.instance, "capacity": recent.capacity},
+        }
         return web.json_response(payload, headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/dashboard", page)

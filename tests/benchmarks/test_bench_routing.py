@@ -1,5 +1,5 @@
 """The routing benchmark harness (issue 32): the 2P2D systems' commands, the reuse tables, the
-gateway's routing decisions per point (``checks.routing_of`` on synthetic ``/dashboard/data``
+gateway's routing decisions per point (``gateway_rows.routing_of`` on synthetic ``/dashboard/data``
 rows) and the generated TTFT tables with ratios peer / kvpush-routed and the decisions."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import (
     add_arguments,
     chat_workload,
-    checks,
+    gateway_rows,
     plan,
     results,
     routing_report,
@@ -261,7 +261,7 @@ def test_routing_of_groups_by_mode_and_reason() -> None:
         _row("d", "local", "cost", 40.0, 35.5, 896, "d0"),
         _row("e", "local", "cold", 250.1234, None, None, "d1"),
     ]
-    found = checks.routing_of(rows)
+    found = gateway_rows.routing_of(rows)
     assert found == {
         "decode": {"d0": 2, "d1": 3},
         "groups": {
@@ -288,12 +288,12 @@ def test_routing_of_groups_by_mode_and_reason() -> None:
     }
     text = json.dumps(found, sort_keys=False)  # stored as built: keys already sorted
     assert text == json.dumps(found, sort_keys=True)
-    assert checks.routing_of([]) is None
+    assert gateway_rows.routing_of([]) is None
 
 
 def test_routing_of_takes_an_older_gateway_s_missing_keys_as_absent() -> None:
     old = {"request_id": "a", "mode": "push", "status": "ok", "ttft_ms": 12.0, "parts_ms": None}
-    found = checks.routing_of([old, {**old, "request_id": "b", "mode": "local"}])
+    found = gateway_rows.routing_of([old, {**old, "request_id": "b", "mode": "local"}])
     assert found is not None and found["decode"] == {}
     assert set(found["groups"]) == {"push/-", "local/-"}
     assert found["groups"]["push/-"] == {
@@ -306,38 +306,70 @@ def test_routing_of_takes_an_older_gateway_s_missing_keys_as_absent() -> None:
 
 async def test_point_rows_reads_the_point_s_rows_once_they_are_there() -> None:
     rows = [_row("other-1", "push", "cost", 5.0, seq=1), _row("p-1", "push", "cost", 7.0, seq=2)]
+    ring = {"instance": "g1", "capacity": 200}
 
     async def data(_request: web.Request) -> web.Response:
-        return web.json_response({"parts": [], "counters": {}, "requests": list(rows)})
+        payload = {"parts": [], "counters": {}, "requests": list(rows), "ring": ring}
+        return web.json_response(payload)
 
     app = web.Application()
     app.router.add_get("/dashboard/data", data)
     async with serving(app) as url:
-        assert await checks.ring_seq(url) == 2
-        ours = checks.ours_of("vllm", 1, [])  # the rows after seq 1 (the ids cannot tell)
+        mark = await gateway_rows.ring_mark(url)
+        assert mark == gateway_rows.RingMark("g1", 2)
+        ours = gateway_rows.ours_of("vllm", gateway_rows.RingMark("g1", 1), [])  # after seq 1
 
         async def late() -> None:  # the gateway adds a row after the request's last chunk
             await asyncio.sleep(0.2)
             rows.insert(0, _row("cmpl-x", "local", "cost", 3.0, decode_id="d1", seq=3))
 
         adding = asyncio.create_task(late())
-        found = await checks.point_rows(url, ours, expected=2)
+        found = await gateway_rows.point_rows(url, ours, expected=2)
         await adding
         assert [r["request_id"] for r in found or []] == ["cmpl-x", "p-1"]
-        extras = await checks.point_extras(url, ours, 2)
+        extras = await gateway_rows.point_extras(url, ours, 2)
         assert extras["breakdown"] is None  # no row has its parts
         assert extras["routing"]["groups"].keys() == {"local/cost", "push/cost"}
+        assert "of" not in extras["routing"]  # every row of the point was read
         answered = [RequestResult(0, 1024, request_id="p-1", ttft_s=0.1)]
-        by_id = await checks.point_rows(url, checks.ours_of("kvpush", 0, answered))
+        by_id = await gateway_rows.point_rows(url, gateway_rows.ours_of("kvpush", mark, answered))
         assert [r["request_id"] for r in by_id or []] == ["p-1"]  # kvpush's client: its ids
-    assert await checks.point_rows(url, ours) is None  # the gateway is gone
-    assert await checks.ring_seq(url) is None  # unread: no row is taken for the point
-    assert not checks.ours_of("vllm", None, [])({"seq": 5})
-    assert await checks.point_extras(url, ours, 2) == {"breakdown": None, "routing": None}
+
+        # the gateway restarted mid-point: its seq counts from 1 again, under a new instance
+        ring["instance"] = "g2"
+        rows[:] = [_row("cmpl-y", "push", "cost", 4.0, seq=1)]
+        after_restart = gateway_rows.ours_of("vllm", mark, [])
+        found = await gateway_rows.point_rows(url, after_restart, expected=1)
+        assert [r["request_id"] for r in found or []] == ["cmpl-y"]
+        extras = await gateway_rows.point_extras(url, after_restart, 3)
+        assert extras["routing"]["requests"] == 1 and extras["routing"]["of"] == 3
+        assert results.ring_partial(extras["routing"]) == "1 of 3"
+        assert results.ring_partial(extras["breakdown"]) == ""
+    assert await gateway_rows.point_rows(url, ours) is None  # the gateway is gone
+    assert await gateway_rows.ring_mark(url) is None  # unread: no row is taken for the point
+    nothing = gateway_rows.ours_of("vllm", None, [])
+    assert not nothing("g1", {"seq": 5})
+    assert await gateway_rows.point_extras(url, ours, 2) == {"breakdown": None, "routing": None}
+
+
+async def test_an_older_gateway_s_ring_is_told_by_seq_alone() -> None:
+    rows = [_row("a", "push", "cost", 5.0, seq=4), _row("b", "push", "cost", 5.0, seq=3)]
+
+    async def data(_request: web.Request) -> web.Response:  # no "ring": before it was sent
+        return web.json_response({"parts": [], "counters": {}, "requests": rows})
+
+    app = web.Application()
+    app.router.add_get("/dashboard/data", data)
+    async with serving(app) as url:
+        assert await gateway_rows.ring_mark(url) == gateway_rows.RingMark("", 4)
+        ours = gateway_rows.ours_of("vllm", gateway_rows.RingMark("", 3), [])
+        assert [r["request_id"] for r in await gateway_rows.point_rows(url, ours) or []] == ["a"]
 
 
 def test_every_kvpush_system_reports_its_gateway_s_rows() -> None:
-    """run.py reads the rows of every KvpushSystem, whatever its transfer check."""
+    """run.py reads the gateway's rows for every ``KvpushSystem`` point, whatever its transfer
+    check (tests/integration/test_bench_serve.py reads a real point's): every kvpush system is
+    one, and no vLLM peer (whose proxy has no such rows) is."""
     from kvpush.benchmarks.serve.run import system_classes
     from kvpush.benchmarks.serve.systems import KvpushSystem
 

@@ -119,7 +119,10 @@ async def test_data_is_json_of_parts_counters_and_requests_newest_first(
         assert resp.status == 200 and resp.content_type == "application/json"
         assert resp.headers["Cache-Control"] == "no-store"
         data = await resp.json()
-    assert set(data) == {"parts", "counters", "requests"}
+    assert set(data) == {"parts", "counters", "requests", "ring"}
+    assert data["ring"] == {"instance": recent.instance, "capacity": 200}
+    assert re.fullmatch(r"[0-9a-f]{16}", recent.instance)
+    assert RecentRequests().instance != recent.instance  # a new gateway: a new ring
     assert [p[0] for p in data["parts"]] == list(PART_NAMES) and data["parts"] == PARTS
     assert all(re.fullmatch(r"#[0-9A-Fa-f]{6}", color) for _, _, color in data["parts"])
     assert data["counters"] == COUNTERS

@@ -111,3 +111,9 @@ async def test_a_kvpush_point_served_without_transfer_fails_its_check(
     assert check is not None and check.applies and not check.ok, check
     assert check.without_transfer == 4 and check.counts == {"routed.local": 4.0}
     assert "routed not push: local 4" in check.detail and "received 0 of 4" in check.detail
+    # the gateway's rows of the point (run.py reads them for every KvpushSystem): all four,
+    # routed local by the request's own override, with their TTFT parts
+    assert point.routing is not None and point.routing["requests"] == 4, point.routing
+    assert point.routing["groups"].keys() == {"local/override"}, point.routing
+    assert "of" not in point.routing
+    assert point.breakdown is not None and point.breakdown["requests"] == 4, point.breakdown
