@@ -52,8 +52,7 @@ class LiveWorker(Protocol):
     def heartbeat(self) -> WorkerHeartbeat: ...
     @property
     def load(self) -> int: ...
-    @property
-    def running(self) -> int: ...
+    def load_running(self) -> tuple[int, int]: ...
     @property
     def last_pick(self) -> float: ...
 
@@ -137,10 +136,11 @@ def choose(
     d_running: list[int] = []
     d_keys: list[_DecodeKey] = []
     for d in decodes:
-        beat, load = d.heartbeat, d.load
+        beat = d.heartbeat
+        load, running = d.load_running()
         d_ids.append(beat.worker_id)
         d_loads.append(load)
-        d_running.append(d.running)
+        d_running.append(running)
         d_keys.append((load, -beat.free_blocks, d.last_pick))
     d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
     d_views = [model.view(w) for w in d_ids]

@@ -58,21 +58,30 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        hb = self.heartbeat  # in_flight holds queue_depth: a queued request counts once
+        hb = self.member.heartbeat  # in_flight holds queue_depth: a queued request counts once
         return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
+
+    def load_running(self) -> tuple[int, int]:
+        """``load`` and, inside it, the requests past their first token (on D: decoding, or
+        waiting for their KV); the rest wait for this worker's own prefill: its heartbeat's
+        ``queue_depth``, less those that started since, and those sent since not started.
+        One read of the heartbeat (the router asks this of every candidate per request)."""
+        hb = self.member.heartbeat
+        load = max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
+        queued = max(0, hb.queue_depth - self.started_since_heartbeat)
+        waiting = min(load, queued + self.sent_since_heartbeat - self.sent_running)
+        return load, load - waiting
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for this worker's own prefill (its heartbeat's ``queue_depth``, less
-        those that started since, and those sent since not started); inside ``load``."""
-        queued = max(0, self.heartbeat.queue_depth - self.started_since_heartbeat)
-        return min(self.load, queued + self.sent_since_heartbeat - self.sent_running)
+        """Requests waiting for this worker's own prefill (see ``load_running``)."""
+        load, running = self.load_running()
+        return load - running
 
     @property
     def running(self) -> int:
-        """Requests past their first token (on D: decoding, or waiting for their KV); inside
-        ``load`` too."""
-        return self.load - self.waiting
+        """Requests past their first token (see ``load_running``)."""
+        return self.load_running()[1]
 
 
 class NoWorkerError(LookupError):
