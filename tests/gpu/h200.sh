@@ -59,7 +59,8 @@ soak)
     # starts: ~100 s cold, ~40 s warm; the step's seconds so far, the bundle's unpacking, count
     # too); then every process the soak started (they carry KVPUSH_SOAK_MARK: workers, engine
     # cores, nats-server) is killed by its pid: the step ends within 585 s
-    mark="soak-$$-$RANDOM" limit=$((570 - SECONDS))
+    # LIMIT: the step's seconds in all (default 570; less when the session's device time is)
+    mark="soak-$$-$RANDOM" limit=$((${LIMIT:-570} - SECONDS))
     KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
         --device cuda --model llama-8b --prefill 2 --decode 1 --minutes "${MINUTES:-8}" \
         --fault-every 60 --faults kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats \
