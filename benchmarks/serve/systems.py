@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -164,6 +165,28 @@ async def wait_http_ok(url: str, processes: list[Process], timeout_s: float) -> 
             await asyncio.sleep(0.5)
 
 
+UP_BANNER = re.compile(rb"kvpush is up: (http://\S+:\d+)/v1")  # services/up.py's banner
+
+
+async def wait_banner(process: Process, offset: int, timeout_s: float) -> str:
+    """The gateway URL ``kvpush up`` names in its banner, read from ``process``'s log past
+    ``offset``; StartError when the process exits or time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError), open(process.log, "rb") as log:
+            log.seek(offset)
+            found = UP_BANNER.search(log.read())
+            if found:
+                return found.group(1).decode()
+        if process.exited is not None:
+            raise StartError(
+                f"{process.name} exited ({process.exited}); {process.log}:\n{process.tail()}"
+            )
+        if time.monotonic() > deadline:
+            raise StartError(f"{process.name}: no banner in {timeout_s:.0f} s\n{process.tail()}")
+        await asyncio.sleep(0.2)
+
+
 class System:
     """One system under test; subclasses set ``name`` and implement ``start``."""
 
@@ -204,13 +227,15 @@ class KvpushSystem(System):
         self.request_extra = {"kvpush_mode": self.mode}
 
     async def start(self, ctx: BenchContext) -> str:
-        port = free_port()
-        argv = self.argv(ctx, port)
+        """``kvpush up --port 0``: up binds the gateway's port itself (no other process can
+        take it between a pick and the bind) and its banner names it."""
         log = ctx.log_dir / f"{self.name}.log"
-        process = Process(self.name, argv, log, env=self.environment()).start()
+        offset = log.stat().st_size if log.exists() else 0  # a later repeat appends to it
+        process = Process(self.name, self.argv(ctx, 0), log, env=self.environment()).start()
         self.processes.append(process)
-        url = f"http://127.0.0.1:{port}"
-        await wait_http_ok(f"{url}/ready", self.processes, ctx.start_timeout_s)
+        deadline = time.monotonic() + ctx.start_timeout_s
+        url = await wait_banner(process, offset, ctx.start_timeout_s)
+        await wait_http_ok(f"{url}/ready", self.processes, deadline - time.monotonic())
         return url
 
     def workers(self, ctx: BenchContext) -> tuple[int, int]:

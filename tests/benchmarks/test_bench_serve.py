@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvpush.benchmarks.serve import (
     checks,
     loadgen,
     plan,
+    systems,
 )
 from kvpush.benchmarks.serve.loadgen import RequestResult
 from kvpush.services.gateway.metrics import GatewayMetrics
@@ -435,3 +437,33 @@ def test_vllm_s_client_is_the_gpu_default_with_its_own_datasets(tmp_path: Path) 
     big = loadgen.LoadPoint("random", 2048, 8, concurrency=1, output_len=64, seed=2**63 + 5)
     argv = vllm_client.bench_argv("http://h:1", "m", tmp_path, big, tmp_path / "r.json", "p-")
     assert value("--seed") == "5"  # the points' 64-bit seeds, as numpy takes them (32 bits)
+
+
+async def test_a_kvpush_system_reads_its_gateway_s_port_from_up_s_banner(tmp_path: Path) -> None:
+    """``kvpush up --port 0`` binds the port itself; the bench reads it from the banner, past
+    what earlier repeats wrote to the same log."""
+
+    log = tmp_path / "kvpush-push.log"
+    log.write_text("kvpush is up: http://127.0.0.1:1111/v1 (an earlier repeat's)\n")
+    offset = log.stat().st_size
+    script = (
+        "import time; time.sleep(0.3); "
+        "print('kvpush is up: http://127.0.0.1:4567/v1 (model m, mode push). Try:', flush=True); "
+        "time.sleep(30)"
+    )
+    process = systems.Process("kvpush-push", [sys.executable, "-c", script], log).start()
+    try:
+        assert await systems.wait_banner(process, offset, 20.0) == "http://127.0.0.1:4567"
+    finally:
+        process.signal(9)
+    assert "--port" in (
+        argv := systems.KvpushPush().argv(systems.BenchContext(tmp_path, "m", tmp_path), 0)
+    )
+    assert argv[argv.index("--port") + 1] == "0"
+    dead = systems.Process(
+        "up",
+        [sys.executable, "-c", "print('port in use'); raise SystemExit(1)"],
+        tmp_path / "dead.log",
+    ).start()
+    with pytest.raises(systems.StartError, match=r"exited \(1\)[\s\S]*port in use"):
+        await systems.wait_banner(dead, 0, 20.0)
