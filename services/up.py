@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -58,6 +59,9 @@ from kvpush.services.up_sockets import (
 )
 from kvpush.services.workers import config as worker_config
 
+BANNER_URL = re.compile(r"kvpush is up: (http://\S+:\d+)/v1")
+"""The gateway's URL in ``Stack.banner``'s first line: how a caller of ``kvpush up --port 0``
+learns the port up bound."""
 RESTART_BACKOFF_S = 1.0  # a worker that exited starts again after this long ...
 RESTART_MAX_BACKOFF_S = 30.0  # ... doubled per restart in a row, up to this
 RESTART_RESET_S = 60.0  # a worker that ran this long starts again after the first backoff

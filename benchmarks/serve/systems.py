@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -165,19 +164,18 @@ async def wait_http_ok(url: str, processes: list[Process], timeout_s: float) -> 
             await asyncio.sleep(0.5)
 
 
-UP_BANNER = re.compile(rb"kvpush is up: (http://\S+:\d+)/v1")  # services/up.py's banner
-
-
 async def wait_banner(process: Process, offset: int, timeout_s: float) -> str:
-    """The gateway URL ``kvpush up`` names in its banner, read from ``process``'s log past
-    ``offset``; StartError when the process exits or time runs out first."""
+    """The gateway URL ``kvpush up`` names in its banner (``up.BANNER_URL``), read from
+    ``process``'s log past ``offset``; StartError when the process exits or time runs out."""
+    from kvpush.services.up import BANNER_URL
+
     deadline = time.monotonic() + timeout_s
     while True:
         with contextlib.suppress(OSError), open(process.log, "rb") as log:
             log.seek(offset)
-            found = UP_BANNER.search(log.read())
+            found = BANNER_URL.search(log.read().decode(errors="replace"))
             if found:
-                return found.group(1).decode()
+                return found.group(1)
         if process.exited is not None:
             raise StartError(
                 f"{process.name} exited ({process.exited}); {process.log}:\n{process.tail()}"

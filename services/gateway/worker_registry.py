@@ -58,17 +58,16 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        hb = self.member.heartbeat  # in_flight holds queue_depth: a queued request counts once
+        hb = self.heartbeat  # in_flight holds queue_depth: a queued request counts once
         return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
 
     def load_running(self) -> tuple[int, int]:
         """``load`` and, inside it, the requests past their first token (on D: decoding, or
         waiting for their KV); the rest wait for this worker's own prefill: its heartbeat's
         ``queue_depth``, less those that started since, and those sent since not started.
-        One read of the heartbeat (the router asks this of every candidate per request)."""
-        hb = self.member.heartbeat
-        load = max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
-        queued = max(0, hb.queue_depth - self.started_since_heartbeat)
+        Both at once: the router asks this of every candidate per request."""
+        load = self.load
+        queued = max(0, self.member.heartbeat.queue_depth - self.started_since_heartbeat)
         waiting = min(load, queued + self.sent_since_heartbeat - self.sent_running)
         return load, load - waiting
 

@@ -32,10 +32,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from kvpush.services.gateway import Gateway, GatewayConfig
+from kvpush.services.up import BANNER_URL
 from tests.integration.worker_proc import Observer
 
 START_TIMEOUT_S = 240.0
-UP_URL = re.compile(r"kvpush is up: (http://\S+:\d+)/v1")  # up's banner: the gateway's URL
 PREFILL_ID, DECODE_ID = "prefill-0", "decode-0"
 
 
@@ -160,7 +160,7 @@ def run_up(log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Ite
             assert proc.poll() is None, f"kvpush up exited ({proc.returncode})\n{stack.logs()}"
             assert time.monotonic() < deadline, f"kvpush up not ready\n{stack.logs()}"
             time.sleep(0.2)
-        url = UP_URL.search(stack.output())
+        url = BANNER_URL.search(stack.output())
         nats = re.search(r"nats-server \(embedded, JetStream\): (nats://\S+)", stack.output())
         model = re.search(r"model kvpush-tiny: (\S+)", stack.output())
         assert url and nats and model, stack.output()
