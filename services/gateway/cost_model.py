@@ -28,8 +28,10 @@ while cold, the router keeps the deployment's fixed rule for the mode (``--local
 Estimates (``estimate(candidate)``, milliseconds, with their terms)::
 
     LOCAL on D      = local_overhead + wait_local(D) + compute(D, prompt - hit(D))
-    PUSH  P -> D    = handoff + wait(P) + compute(P, prompt - hit(P))
-                      + push_tail_share * transfer(prompt - hit(D)) + steps(D)
+    PUSH  P -> D    = handoff + max(wait(P) + compute(P, prompt - hit(P))
+                                    + push_tail_share * transfer(prompt - hit(D)),
+                                    waiting(D) * service_ms(D))
+                      + steps(D)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
@@ -37,7 +39,7 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
                       its heartbeat's queue_depth and what the gateway saw since (sent,
                       started: ``worker_registry.WorkerState.waiting``); a push/pull request
                       waiting for its KV is running: a step once the KV lands, not a prefill)
-    steps(D)        = (1 + load(D)) * step_ms(D)
+    steps(D)        = (1 + running(D)) * step_ms(D)
     transfer(n)     = n * bytes_per_token / bytes_per_s
 
 D needs only the blocks it lacks: D's connector announces (push) or READs (pull) the prompt's
@@ -50,12 +52,18 @@ since D's heartbeat) each a service time, and behind D's other requests (``runni
 or waiting for their KV) each a step: vLLM batches a new prompt with the running decodes, it
 does not queue it behind them (charged a service time each, a D streaming four answers read as
 four prefills ahead and the LOCAL estimate of a reused prefix came out far above its TTFT on
-the CPU routing benchmark). A disaggregated request waits on P's load, and on D only for
-steps (its KV is computed elsewhere): a D busy with prefills and an idle P favour a transfer.
+the CPU routing benchmark). A disaggregated request waits on P's load and, on D, for
+D's waiting LOCAL prefills only past the time P takes (they run while P computes: vLLM runs
+them before the request's first step, and a push landing during them waits) and for steps: a
+D busy with prefills and an idle P favour a transfer, yet a push to a D with more prefills
+queued than P's work is no cheaper than they are (counted as a step each, as before, the push
+estimate was under the TTFT at c=4 on the CPU routing benchmark: 251 against 392 ms).
 
-The estimate splits into a P part and a D part (``prefill_parts`` + ``decode_parts``, each over
-the workers' ``view``, load and prompt tokens missing from their prefix cache), so the router
-finds the cheapest pair in O(P + D) rather than O(P * D).
+The estimate splits into a P part and a D share (``prefill_parts``; ``local_parts`` or
+``transfer_shares``, each over the workers' ``view``, load and prompt tokens missing from their
+prefix cache): a transfer's total is ``share.total(P part)``, which grows with the P part, so
+the cheapest pair is the cheapest P with the D whose share is cheapest for it, and the router
+finds it in O(P + D) rather than O(P * D).
 
 Threading model: the gateway's event loop only (learning and estimating); no locks.
 """
@@ -154,6 +162,17 @@ class Estimate(NamedTuple):
         return f"{self.candidate.label} {self.total_ms:.1f}ms"
 
 
+class TransferShare(NamedTuple):
+    """One D's share of a push/pull estimate: its total for a P part is ``total(p)``."""
+
+    fixed: float  # the hand-off and D's steps
+    tail: float  # the transfer's tail of what D lacks (after P's compute)
+    wait: float  # D's waiting LOCAL prefills: they overlap P's part and the tail
+
+    def total(self, prefill_part: float) -> float:
+        return self.fixed + max(prefill_part + self.tail, self.wait)
+
+
 class WorkerView(NamedTuple):
     """What the estimates use of one worker: its own measurements, else the fleet's."""
 
@@ -206,8 +225,8 @@ class CostModel:
     def wait_ms(self, worker_id: str, load: int) -> float:
         return load * self.view(worker_id).service_ms
 
-    def steps_ms(self, decode_id: str, load: int) -> float:
-        return (1 + load) * self.view(decode_id).step_ms
+    def steps_ms(self, decode_id: str, running: int) -> float:
+        return (1 + running) * self.view(decode_id).step_ms
 
     def transfer_ms(self, tokens: int) -> float:
         return max(tokens, 0) * self.bytes_per_token.value * 1000.0 / self.bytes_per_s.value
@@ -225,28 +244,40 @@ class CostModel:
             for w, load, tokens in zip(views, loads, missing, strict=True)
         ]
 
-    def decode_parts(
+    def local_parts(
+        self,
+        views: Sequence[WorkerView],
+        loads: Sequence[int],
+        missing: Sequence[int],
+        running: Sequence[int],
+    ) -> list[float]:
+        """Each D's LOCAL estimate. Per D: its ``view``, its load, the prompt tokens its prefix
+        cache lacks (at least 0) and its requests past their first token (``running``, part of
+        its load)."""
+        base = self.local_overhead_ms.value
+        return [
+            base + max(0, load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
+            for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
+        ]
+
+    def transfer_shares(
         self,
         mode: TransferMode,
         views: Sequence[WorkerView],
         loads: Sequence[int],
         missing: Sequence[int],
         running: Sequence[int],
-    ) -> list[float]:
-        """Each D's share of an estimate: LOCAL's whole estimate; for push/pull, the hand-off,
-        the transfer's tail of what D lacks, and D's steps. Per D: its ``view``, its load, the
-        prompt tokens its prefix cache lacks (at least 0) and its requests past their first
-        token (``running``, part of its load)."""
-        if mode is TransferMode.LOCAL:
-            base = self.local_overhead_ms.value
-            return [
-                base + max(0, load - run) * w.service_ms + run * w.step_ms + tokens * w.ms_per_token
-                for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
-            ]
+    ) -> list[TransferShare]:
+        """Each D's share of a push/pull estimate (the hand-off, the transfer's tail of what D
+        lacks, D's waiting prefills and its steps), over what ``local_parts`` takes."""
         base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
         return [
-            base + tokens * tail_per_token + (1 + load) * w.step_ms
-            for w, load, tokens in zip(views, loads, missing, strict=True)
+            TransferShare(
+                base + (1 + run) * w.step_ms,
+                tokens * tail_per_token,
+                max(0, load - run) * w.service_ms,
+            )
+            for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
         ]
 
     def estimate(self, c: Candidate) -> Estimate:
@@ -264,7 +295,10 @@ class CostModel:
             terms["compute_p"] = self.compute_ms(c.prefill_id, c.prompt_tokens - c.prefill_hit)
             moved = c.prompt_tokens - c.decode_hit
             terms["transfer"] = self._tail_share(c.mode) * self.transfer_ms(moved)
-            terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_load)
+            # D's waiting prefills, past what P and the tail take (TransferShare.total)
+            waiting = self.wait_ms(c.decode_id, max(0, c.decode_load - c.decode_running))
+            terms["wait_d"] = max(0.0, waiting - sum(terms.values()) + terms["handoff"])
+            terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_running)
         return Estimate(c, sum(terms.values()), terms)
 
     # ---- learning --------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 ``choose`` scores every candidate the router allows for one prompt: LOCAL on each live D and,
 for the disaggregated mode allowed (the deployment's push or pull, or the client's override),
-every (P, D) pair. An estimate is a P part plus a D part (``CostModel.prefill_parts`` and
-``decode_parts``), so the cheapest pair is the cheapest P with the cheapest D: O(P + D) parts,
-then full estimates (with their terms) only for the choice and its ``ALTERNATIVES`` runners-up.
+every (P, D) pair. A transfer's estimate is a D share's total for a P part
+(``CostModel.prefill_parts`` and ``transfer_shares``), which grows with the P part, so the
+cheapest pair is the cheapest P with the D cheapest for it: O(P + D) parts, then the pairs of
+the ``ALTERNATIVES`` + 1 cheapest of each side, and full estimates (with their terms) only for
+the choice and its runners-up.
 Equal costs go to the least-loaded worker, as the least-loaded policy orders them
 (``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work). Each
 worker's heartbeat, load and ``CostModel.view`` are read once per decision, whatever the modes.
@@ -152,10 +154,10 @@ def choose(
     # LOCAL's P key is () and its P index -1
     ranked: list[tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]] = []
     for mode in modes:
-        parts = model.decode_parts(mode, d_views, d_loads, d_missing, d_running)
-        d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         if mode is TransferMode.LOCAL:
-            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_ranked]
+            parts = model.local_parts(d_views, d_loads, d_missing, d_running)
+            d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))
+            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_ranked[: ALTERNATIVES + 1]]
             continue
         if not p_ranked:
             p_keys: list[_PrefillKey] = []
@@ -170,11 +172,15 @@ def choose(
             p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
                 : ALTERNATIVES + 1
             ]
+        shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
+        cheapest_p = p_ranked[0][0]
+        totals = [share.total(cheapest_p) for share in shares]
+        d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))
         rank = 1 if mode is TransferMode.PUSH else 2
         ranked += [
-            (p_cost + d_cost, rank, d_key, p_key, j, i)
+            (shares[i].total(p_cost), rank, d_key, p_key, j, i)
             for p_cost, p_key, j in p_ranked
-            for d_cost, d_key, i in d_ranked
+            for _, d_key, i in d_ranked[: ALTERNATIVES + 1]
         ]
     ranked.sort()
     estimates: list[Estimate] = []

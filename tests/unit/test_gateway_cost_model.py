@@ -205,6 +205,38 @@ def test_a_long_prompt_with_an_idle_prefill_worker_goes_push(registry: WorkerReg
     assert route.prefill_sends_first_token
 
 
+def test_a_push_waits_for_the_prefills_queued_on_its_decode_worker(
+    registry: WorkerRegistry,
+) -> None:
+    """D runs its queued LOCAL prefills before a pushed request's first step: a push to it costs
+    their time where it is more than P's work (a step each, as before, d0 and d2 looked as
+    cheap as d1 and the push estimate was under its TTFT)."""
+    router = routed(registry)
+    warm_up(router.costs, tokens_per_ms=10)  # P: 100 ms for 1000 tokens
+    for name in ("d0", "d1", "d2"):  # D: 800 ms a prefill of 1000 tokens
+        router.costs.learn(LOCAL, None, name, 1000, timing=local_timing(1, 800))
+    registry.observe(beat(D, "d0", in_flight=2, queue_depth=2))  # two prefills queued
+    registry.observe(beat(D, "d1", in_flight=3))  # three answers decoding
+    registry.observe(beat(D, "d2", in_flight=2, queue_depth=2))
+    route = router.route(list(range(1000)))
+    assert route.explanation is not None
+    assert (route.mode, route.decode_id) == (PUSH, "d1"), route.explanation
+    terms = route.explanation.choice.terms
+    assert terms["wait_d"] == 0.0 and terms["steps_d"] == pytest.approx(4 * 1.0)
+    queued = [
+        found
+        for found in route.explanation.alternatives
+        if found.candidate.mode is PUSH and found.candidate.decode_id in ("d0", "d2")
+    ]
+    assert queued and all(found.total_ms >= 2 * 800.0 for found in queued)
+    for found in (route.explanation.choice, *route.explanation.alternatives):
+        full = router.costs.estimate(found.candidate)
+        assert full.total_ms == pytest.approx(found.total_ms), found
+        assert full.total_ms == pytest.approx(sum(full.terms.values()))
+        if found in queued:  # the wait past P's part is a term of its own
+            assert full.terms["wait_d"] > 0
+
+
 def test_a_decode_worker_busy_decoding_still_computes_a_prompt_it_mostly_holds(
     registry: WorkerRegistry,
 ) -> None:
