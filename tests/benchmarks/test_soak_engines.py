@@ -263,7 +263,7 @@ def test_the_h200_soak_step_runs_2p1d_of_the_8b_shape_with_the_issues_faults() -
     command = step[
         step.index("cli bench soak") + len("cli bench soak") : step.index('> "$out/soak.log"')
     ]
-    command = command.replace("\\\n", " ").replace('"${MINUTES:-8}"', "8")
+    command = command.replace("\\\n", " ").replace('"${MINUTES:-8}"', "8").replace('"${KV_GIB:-8}"', "8")
     command = command.replace("$((limit - 30))", "540").replace('"$out/', '"/tmp/out/')
     s = soak.settings_from_args(parse(*shlex.split(command)))
     assert (s.device, s.model, s.prefill, s.decode, s.minutes) == ("cuda", "llama-8b", 2, 1, 8)

@@ -60,11 +60,12 @@ soak)
     # too); then every process the soak started (they carry KVPUSH_SOAK_MARK: workers, engine
     # cores, nats-server) is killed by its pid: the step ends within 585 s
     # LIMIT: the step's seconds in all (default 570; less when the session's device time is)
+    # KV_GIB: each engine's KV cache (default 8; 4 lets the three fit an 80 GiB card)
     mark="soak-$$-$RANDOM" limit=$((${LIMIT:-570} - SECONDS))
     KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
         --device cuda --model llama-8b --prefill 2 --decode 1 --minutes "${MINUTES:-8}" \
         --fault-every 60 --faults kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats \
-        --prompts 120 --prompt-tokens 2048 --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
+        --prompts 120 --prompt-tokens 2048 --kv-cache-gib "${KV_GIB:-8}" --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
         --log-dir "$out/soak-logs" > "$out/soak.log" 2>&1
     echo "soak rc=$?"; tail -40 "$out/soak.log"
     for _ in 1 2 3 4 5 6 7 8 9 10; do
