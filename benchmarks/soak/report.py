@@ -111,6 +111,7 @@ class SoakReport(msgspec.Struct, frozen=True):
     moved: int = 0  # token-exact 200s the gateway moved to other workers on the way
     fault_records: list[FaultRecord] = []  # one per fault, in order
     fault_summary: list[FaultSummary] = []  # per kind
+    gpu_name: str | None = None  # cuda: the card, as nvidia-smi names it (None: before kept)
 
     @property
     def passed(self) -> bool:
@@ -189,7 +190,7 @@ def _faults_line(s: SoakSettings) -> str:
     return f"a fault every {s.fault_every_s:g} s ({kinds}, in rounds)"
 
 
-def _engines_line(s: SoakSettings) -> str:
+def _engines_line(s: SoakSettings, gpu_name: str | None = None) -> str:
     """The device, model and prompts (nothing for reports written before they were kept)."""
     if s.device is None:
         return ""
@@ -198,7 +199,8 @@ def _engines_line(s: SoakSettings) -> str:
     if s.device != "cuda":
         return f" ({s.device}, model {s.model}, {prompts}, {s.max_tokens} tokens out)"
     return (
-        f" (cuda: every engine on GPU {s.gpu}, model {s.model}, the workers' CUDA defaults, each "
+        f" (cuda: every engine on GPU {s.gpu}{f' ({gpu_name})' if gpu_name else ''}, "
+        f"model {s.model}, the workers' CUDA defaults, each "
         f"engine started with {s.gpu_memory_utilization:g} of the GPU's memory free and a "
         f"{s.kv_cache_gib:g} GiB KV cache; {prompts}, {s.max_tokens} tokens out)"
     )
@@ -231,7 +233,7 @@ def markdown(report: SoakReport) -> str:
         f"Run ({report.date}, commit {report.kvpush_rev}): {s.minutes:g} min of load and "
         f"faults{_budget_line(s)} ({report.load_s:.0f} s with the quiesces, "
         f"{report.wall_s:.0f} s in all) on {s.prefill} prefill + {s.decode} decode "
-        f"workers{_engines_line(s)}, "
+        f"workers{_engines_line(s, report.gpu_name)}, "
         f"{s.concurrency} clients, {_faults_line(s)}, {_delay(s)}, "
         f"{_share(s.stream_share)} streamed to the end, {_share(s.abort_share)} streamed "
         f"and dropped by the client, gateway in-flight bound {s.gateway_max_inflight}{burst}, "

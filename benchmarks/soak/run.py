@@ -58,6 +58,7 @@ from kvpush.benchmarks.soak.faults import FaultPlan, Killer, Played
 from kvpush.benchmarks.soak.measure import FaultRecord, Throughput, recovery_time, summarize
 from kvpush.benchmarks.soak.report import SoakReport, SoakSettings, failures
 from kvpush.benchmarks.soak.stack import SoakStack
+from kvpush.services.workers import kv_memory
 
 MODES = (None, None, "push", "pull", "local")  # None: the deployment's default (push)
 WORDS = (
@@ -338,6 +339,7 @@ class Soak:
             stopped_early=stopped_early,
             moved=self.tally.moved,
             fault_records=self.records,
+            gpu_name=kv_memory.gpu_identity(self.s.gpu) if self.engines.cuda else None,
             fault_summary=summarize(self.records),
         )
         return msgspec.structs.replace(report, failures=failures(report))

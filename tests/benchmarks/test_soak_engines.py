@@ -217,6 +217,9 @@ def test_the_report_carries_device_and_model_to_its_json_and_its_table(tmp_path:
     cpu = report.markdown(synthetic(settings=settings(device="cpu", model="tiny")))
     assert "(cpu, model tiny, prompts of 8-40 words, 8 tokens out)" in cpu
     assert "P sleeping 100 ms per layer" in cpu
+    card = "NVIDIA H100 80GB HBM3, 81559 MiB"  # the run's card, as nvidia-smi names it
+    path.write_bytes(report.dump(msgspec.structs.replace(loaded, gpu_name=card)))
+    assert f"every engine on GPU 0 ({card}), model" in report.markdown(report.load(path))
     old = report.markdown(synthetic())  # written before the device was kept: as it rendered
     assert "cpu" not in old and "cuda" not in old and "model" not in old
 
@@ -263,7 +266,8 @@ def test_the_h200_soak_step_runs_2p1d_of_the_8b_shape_with_the_issues_faults() -
     command = step[
         step.index("cli bench soak") + len("cli bench soak") : step.index('> "$out/soak.log"')
     ]
-    command = command.replace("\\\n", " ").replace('"${MINUTES:-8}"', "8").replace('"${KV_GIB:-8}"', "8")
+    command = command.replace("\\\n", " ").replace('"${MINUTES:-8}"', "8")
+    command = command.replace('"${KV_GIB:-8}"', "8")
     command = command.replace("$((limit - 30))", "540").replace('"$out/', '"/tmp/out/')
     s = soak.settings_from_args(parse(*shlex.split(command)))
     assert (s.device, s.model, s.prefill, s.decode, s.minutes) == ("cuda", "llama-8b", 2, 1, 8)
