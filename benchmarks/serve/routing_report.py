@@ -3,14 +3,16 @@
 ``kvpush bench serve --systems kvpush-routed,kvpush-least-loaded,vllm-serve,... --tables
 reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writes
 ``results.json``; ``body`` turns it into the section ``routing`` of
-``docs/benchmarks/routing/results.md`` (``kvpush.benchmarks.docgen`` markers; the prose
+``docs/benchmarks/routing/results.md`` (the H200's run: ``h200.json`` into ``h200.md``;
+``kvpush.benchmarks.docgen`` markers; the prose
 around it is left alone): per table (reuse share, prompt length) one row per point and system
 with TTFT P50 and P99 (ms, median and [min-max] over repeats), then the ratios peer /
 ``kvpush-routed`` of those medians (above 1: kvpush-routed is faster), then, when the run
 recorded them (``Point.routing``: runs before it did not, and their section has none), the
 kvpush systems' routing decisions per point (``decision_lines``): the requests per
 ``mode/reason`` summed over repeats, each group's TTFT P50 next to the cost model's estimate
-P50 (medians over repeats) and the requests per decode worker. Rows come from
+P50 (medians over repeats) and the requests per decode worker; then the kvpush systems' TTFT
+breakdown (P50 of each part, as ``kvpush bench report`` shows it). Rows come from
 ``summary.rows``, as ``kvpush bench report``'s do; nothing here depends on the time of day.
 
 Regenerate: ``python -m kvpush.benchmarks.serve.routing_report RESULTS DOC`` (``--check``:
@@ -30,17 +32,35 @@ from typing import Any
 from kvpush.benchmarks import docgen
 from kvpush.benchmarks.serve import results as results_mod
 from kvpush.benchmarks.serve import summary
-from kvpush.benchmarks.serve.report import _cell, _num, _point_label, _ratio, failed_lines
+from kvpush.benchmarks.serve.report import (
+    _breakdown_lines,
+    _cell,
+    _num,
+    _point_label,
+    _ratio,
+    failed_lines,
+)
 from kvpush.benchmarks.serve.results import Document, Point
 from kvpush.benchmarks.serve.summary import Row
 
 SECTION = "routing"
 ROUTED = "kvpush-routed"  # the reference of every ratio
 FIGURES = ("ttft_p50", "ttft_p99")
+FOLDER = "docs/benchmarks/routing"  # the committed runs: results.json (CPU), h200.json
 REPORT_COMMAND = (
-    "python -m kvpush.benchmarks.serve.routing_report docs/benchmarks/routing/results.json"
-    " docs/benchmarks/routing/results.md"
+    f"python -m kvpush.benchmarks.serve.routing_report {FOLDER}/results.json {FOLDER}/results.md"
 )
+
+
+def report_command(results_path: Path, doc_path: Path) -> str:
+    """The marker's command for a run committed in ``FOLDER`` (``REPORT_COMMAND`` for the CPU
+    run's ``results.json`` -> ``results.md``; the H200's ``h200.json`` -> ``h200.md``)."""
+    return (
+        "python -m kvpush.benchmarks.serve.routing_report "
+        f"{FOLDER}/{results_path.name} {FOLDER}/{doc_path.name}"
+    )
+
+
 TABLE_TITLES = {
     "reuse50": "50% reuse",
     "reuse90": "90% reuse",
@@ -174,6 +194,7 @@ def body(document: Document) -> str:
         lines += table_lines(dataset, input_len, rows)
         points = [p for p in document.points if (p.dataset, p.input_len) == (dataset, input_len)]
         lines += decision_lines(rows, points)
+        lines += _breakdown_lines(rows)
     lines += failed_lines(document)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -182,7 +203,8 @@ def write_doc(doc_path: Path, results_path: Path, check: bool = False) -> bool:
     """Write (``check``: compare) ``doc_path``'s section; True if the file changed."""
     text = body(results_mod.load(results_path))
     doc_path.parent.mkdir(parents=True, exist_ok=True)
-    return docgen.update(doc_path, SECTION, text, REPORT_COMMAND, check)
+    command = report_command(results_path, doc_path)
+    return docgen.update(doc_path, SECTION, text, command, check)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -202,3 +202,13 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
     if not (folder / "results.json").exists():
         pytest.skip("no routing benchmark run committed yet (docs/benchmarks/routing/results.json)")
     assert not routing_report.write_doc(folder / "results.md", folder / "results.json", check=True)
+
+
+def test_routing_h200_md_is_what_the_committed_h200_run_generates() -> None:
+    """docs/benchmarks/routing/h200.md (issue 32 on the H200: tests/gpu/h200.sh routing)."""
+    from kvpush.benchmarks.serve import routing_report
+
+    folder = DOCS / "benchmarks" / "routing"
+    assert not routing_report.write_doc(folder / "h200.md", folder / "h200.json", check=True)
+    text = (folder / "h200.md").read_text()
+    assert routing_report.report_command(folder / "h200.json", folder / "h200.md") in text
