@@ -148,7 +148,7 @@ def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
     """docs/benchmarks/gpu-serve/integrity/: kvpush-push with and without --kv-checksum."""
     from kvpush.benchmarks.serve import report
 
-    for run in ("checksum", "checksum-c1", "checksum-c1-side"):
+    for run in ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side"):
         folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
         assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
 
