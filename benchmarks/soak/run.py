@@ -57,7 +57,7 @@ from kvpush.benchmarks.soak.checks import LOAD, Category, Delivery, Judgement, R
 from kvpush.benchmarks.soak.faults import FaultPlan, Killer, Played
 from kvpush.benchmarks.soak.measure import FaultRecord, Throughput, recovery_time, summarize
 from kvpush.benchmarks.soak.report import SoakReport, SoakSettings, failures
-from kvpush.benchmarks.soak.stack import SoakStack
+from kvpush.benchmarks.soak.stack import REQUEST_TIMEOUT_S, SoakStack
 from kvpush.services.workers import kv_memory
 
 MODES = (None, None, "push", "pull", "local")  # None: the deployment's default (push)
@@ -67,7 +67,9 @@ WORDS = (
 )  # fmt: skip
 BURST_S = 3.0
 BACKOFF_S = 0.5  # a client waits this long after an error
-FINAL_RESERVE_S = 45.0  # of a time budget: the last quiesce and the stop
+# of a time budget: the last quiesce (a request in flight at the end may hold it up to the
+# gateway's request timeout: the H200 soak of 2026-12-06 overran a 45 s reserve) and the stop
+FINAL_RESERVE_S = REQUEST_TIMEOUT_S + 30.0
 
 
 def _say(message: str) -> None:

@@ -70,7 +70,11 @@ soak)
     echo "soak rc=$?"; tail -40 "$out/soak.log"
     for _ in 1 2 3 4 5 6 7 8 9 10; do
         left=$(grep -lasF "KVPUSH_SOAK_MARK=$mark" /proc/[0-9]*/environ | cut -d/ -f3)
-        [ -z "$left" ] && break
+        # vLLM's engine cores retitle themselves (setproctitle), which overwrites their environ
+        # and so the mark: on the lent host nothing else computes on the GPU, so what still
+        # holds it is the soak's (two engine cores outlived a soak and held 49 GiB)
+        left="$left $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)"
+        [ -z "${left// /}" ] && break
         echo "soak: killing what is left: $left"; kill -9 $left 2>/dev/null; sleep 1
     done
     tar czf "$out/soak-logs.tgz" -C "$out" soak-logs && rm -rf "$out/soak-logs"
