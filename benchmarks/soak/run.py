@@ -35,6 +35,7 @@ the workers and nats-server are child processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import sys
 import time
@@ -357,8 +358,22 @@ def load_until(s: SoakSettings, begun: float, started: float) -> float:
 
 
 async def run_soak(settings: SoakSettings, log_dir: Path) -> SoakReport:
+    """One soak; the in-process gateway's log (``kvpush.*`` at INFO: its timeouts, migrations
+    and membership) goes to ``log_dir/soak-gateway.log`` beside the workers' logs."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_dir / "soak-gateway.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("kvpush")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     soak = Soak(settings, log_dir)
     try:
         return await soak.run()
     finally:
-        await soak.stack.stop()
+        try:
+            await soak.stack.stop()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            handler.close()

@@ -357,6 +357,12 @@ class BusGeneration:
                 else:
                     why = f"no first token after {config.request_timeout_s:g} s"
                 error = ApiError(504, f"request timed out: {why}", type_="timeout", code="timeout")
+                route = self.route
+                log.warning(
+                    "%s (transfer %s) timed out: %s (mode %s, prefill %s, decode %s)",
+                    self.request_id, self.transfer_id, why, route.mode.value,
+                    route.prefill_id, route.decode_id,
+                )  # fmt: skip
                 raise self._fail(error)
             waited_from = self.loop.time()
             try:

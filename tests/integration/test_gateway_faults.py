@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 
 from kvpush.schemas.messages import FinishReason, Usage
 from kvpush.services.gateway import add_arguments, serve
@@ -82,8 +84,9 @@ async def test_api_keys_guard_v1_but_not_health(stack: StackFactory) -> None:
 
 
 async def test_inflight_bound_is_429_and_deadline_is_504_with_aborts_to_p_and_d(
-    stack: StackFactory,
+    stack: StackFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpush.services.gateway.bus_generation")
     s = await stack(
         reply=None, max_inflight=1, max_queued=0, request_timeout_s=1.0, local_threshold=0
     )
@@ -94,6 +97,9 @@ async def test_inflight_bound_is_429_and_deadline_is_504_with_aborts_to_p_and_d(
     status, answer = await first
     assert status == 504 and answer["error"]["type"] == "timeout"
     transfer = s.decode.events[0].transfer_id
+    # the log names the request, its transfer and its route (the 504 body does not)
+    (logged,) = [r.getMessage() for r in caplog.records if "timed out" in r.getMessage()]
+    assert transfer in logged and "no first token after 1 s" in logged and "decode " in logged
     await wait_until(lambda: bool(s.prefill.aborts and s.decode.aborts))
     for abort in (s.prefill.aborts[0], s.decode.aborts[0]):
         assert abort.transfer_id == transfer and abort.reason == "deadline"
