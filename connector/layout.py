@@ -164,17 +164,29 @@ def pool_layout(layers: Sequence[Sequence[Any]]) -> PoolLayout:
 
 
 def registration_descs(layout: PoolLayout) -> np.ndarray:
-    """``(addr, len, dev)`` rows to register: one per tensor, overlapping/adjacent spans merged."""
+    """``(addr, len, dev)`` rows to register: one per tensor. Overlapping spans merge (layers
+    that share a tensor), and so do the touching spans of one layer (its K and V views of one
+    tensor); touching spans of two layers do not: they are two allocations that happen to be
+    adjacent, and a region across them breaks CUDA IPC, which maps only the allocation its start
+    lies in (UCX ``cuda_ipc``: ``cuMemcpyDtoDAsync ... invalid argument`` past it)."""
     spans = sorted(
-        (r.device, r.base, r.base + r.span_bytes) for regions in layout.layers for r in regions
+        (r.device, r.base, r.base + r.span_bytes, layer)
+        for layer, regions in enumerate(layout.layers)
+        for r in regions
     )
-    merged: list[list[int]] = []
-    for dev, start, end in spans:
-        if merged and merged[-1][0] == dev and start <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], end)
+    merged: list[list[int]] = []  # [dev, start, end, layers...]
+    for dev, start, end, layer in spans:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last[0] == dev
+            and (start < last[2] or (start == last[2] and layer in last[3:]))
+        ):
+            last[2] = max(last[2], end)
+            last.append(layer)
         else:
-            merged.append([dev, start, end])
-    return np.array([[s, e - s, d] for d, s, e in merged], dtype=np.uint64).reshape(-1, 3)
+            merged.append([dev, start, end, layer])
+    return np.array([[m[1], m[2] - m[1], m[0]] for m in merged], dtype=np.uint64).reshape(-1, 3)
 
 
 # ---- block runs -----------------------------------------------------------------------------

@@ -6,7 +6,8 @@
 #
 #   KVPUSH_REVISION=<commit> tests/gpu/h200.sh STEP OUT
 #
-# STEP: transport (kvpush bench transport --device cuda, every case, then the streamed push
+# STEP: ipc (tests/gpu/gpu_ipc.py: a WRITE over cuda_ipc into adjacent allocations),
+# transport (kvpush bench transport --device cuda, every case, then the streamed push
 # under other poll intervals), stream (the streamed push with a worker's intervals), swap
 # (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve, with vLLM's API features; check-vllm: the
 # same, one repeat, into check-vllm), serve-a / serve-b / serve-tuned /
@@ -50,6 +51,11 @@ ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --
     --time-budget "${BUDGET:-560}")
 
 case $step in
+ipc)
+    # tests/gpu/gpu_ipc.py: a NIXL WRITE over cuda_ipc into KV-like tensors registered as kvpush
+    # registers them, and (--merged) as one span across allocations (the rule before 2026-12-06)
+    timeout 120 python3 -m tests.gpu.gpu_ipc --merged 2>&1 | grep -v "UCX  WARN" | tail -20
+    ;;
 soak)
     # issue 31: `kvpush bench soak` on the GPU: 2 P + 1 D of the 8B shape sharing it (the
     # workers' CUDA defaults, an 8 GiB KV cache each), 120 prompts of 2048 tokens (D's prefix

@@ -133,7 +133,7 @@ def test_layout_from_numpy_arrays_registers_one_region_per_tensor() -> None:
     assert (region.stride, region.block_bytes, region.num_blocks) == (1024, 1024, 8)
     assert layout.bytes_per_block == 3 * 1024
     reg = registration_descs(layout)
-    assert len(reg) <= 3 and int(reg[:, 1].sum()) == 3 * kv[0].nbytes
+    assert len(reg) == 3 and int(reg[:, 1].sum()) == 3 * kv[0].nbytes
 
 
 def test_adjacent_k_and_v_views_of_one_tensor_register_as_one_region() -> None:
@@ -142,6 +142,21 @@ def test_adjacent_k_and_v_views_of_one_tensor_register_as_one_region() -> None:
     assert len(layout.layers[0]) == 2
     reg = registration_descs(layout)
     assert reg.tolist() == [[kv.ctypes.data, kv.nbytes, 0]]
+
+
+def test_adjacent_tensors_of_two_layers_register_as_two_regions() -> None:
+    """Two layers' tensors that touch are two allocations side by side (CUDA's allocator often
+    places them so): one region across them breaks CUDA IPC, which maps one allocation only."""
+    buffer = np.zeros((2, 2, 8, 256), np.uint8)  # [layer, K|V, blocks, bytes], back to back
+    layout = pool_layout([[buffer[0, 0], buffer[0, 1]], [buffer[1, 0], buffer[1, 1]]])
+    reg = registration_descs(layout)
+    layer_bytes = buffer[0].nbytes
+    assert reg.tolist() == [
+        [buffer.ctypes.data, layer_bytes, 0],
+        [buffer.ctypes.data + layer_bytes, layer_bytes, 0],
+    ]
+    shared = pool_layout([[buffer[0, 0]], [buffer[0, 0]]])  # two layers sharing one tensor
+    assert len(registration_descs(shared)) == 1
 
 
 def test_compat_hash_covers_protocol_and_every_field() -> None:
