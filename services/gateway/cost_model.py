@@ -297,7 +297,8 @@ class CostModel:
             terms["transfer"] = self._tail_share(c.mode) * self.transfer_ms(moved)
             # D's waiting prefills, past what P and the tail take (TransferShare.total)
             waiting = self.wait_ms(c.decode_id, max(0, c.decode_load - c.decode_running))
-            terms["wait_d"] = max(0.0, waiting - sum(terms.values()) + terms["handoff"])
+            overlapped = terms["wait_p"] + terms["compute_p"] + terms["transfer"]
+            terms["wait_d"] = max(0.0, waiting - overlapped)
             terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_running)
         return Estimate(c, sum(terms.values()), terms)
 
