@@ -78,6 +78,7 @@ class WorkerHalf:
         self._layer_index: dict[str, int] = {}
         self.kv_layers: list[Any] = []  # the registered KV tensor of each layer, in order
         self._gate: LayerGate | None = None  # KV in GPU memory: push a layer once it is written
+        self._handed_over: set[int] = set()  # layers of this step's forward handed to the sides
         # decode: every KV integrity count this rank sent up so far (the scheduler half's are
         # the ranks' sum: what a driver in another process asks for, ``kvpush_integrity_counts``)
         self.integrity_totals: Counter[str] = Counter()
@@ -148,6 +149,7 @@ class WorkerHalf:
     def bind(self, meta: KVPushMetadata) -> None:
         if self._gate is not None:  # a step that failed mid-forward skipped wait_for_save:
             self._gate.drain()  # its layers must not count for this step's transfers
+        self._handed_over.clear()
         for address in meta.suspects:
             self.runtime.suspect_peer(address)
         if self.prefill is not None:
@@ -159,8 +161,13 @@ class WorkerHalf:
         if self.prefill is None or not self.prefill.completing:
             return
         index = self._layer_index.get(layer_name)
-        if index is None:
-            return
+        if index is not None:
+            self._hand_over(index)
+
+    def _hand_over(self, index: int) -> None:
+        """Layer ``index`` of this step's forward is enqueued: take its sums, then pass it on."""
+        assert self.prefill is not None
+        self._handed_over.add(index)
         self.prefill.on_layer_computed(index)  # the KV checksum's sums: before the layer is
         # handed on (on CUDA: queued on the forward's stream, before the gate's event)
         if self._gate is not None:
@@ -173,7 +180,16 @@ class WorkerHalf:
             self.poller.wake()  # WRITEs posted: poll them to completion now
 
     def wait_for_save(self) -> None:
-        """After the forward: every computed layer of this step was handed to the sides."""
+        """After the forward: every computed layer of this step was handed to the sides.
+
+        A forward that vLLM replays as one whole CUDA graph (its FULL graphs, taken for a batch
+        of one-token queries: a prompt P holds in its prefix cache but for its last token) runs
+        no ``save_kv_layer``: the layers it skipped are handed over here, behind the whole
+        forward on the stream (a pull's KvReady and a push's WRITEs waited for them forever)."""
+        if self.prefill is not None and self.prefill.completing:
+            for index in range(len(self._layer_index)):
+                if index not in self._handed_over:
+                    self._hand_over(index)
         if self._gate is not None:
             self._gate.drain()
 
