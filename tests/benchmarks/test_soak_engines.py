@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -266,8 +267,8 @@ def test_the_h200_soak_step_runs_2p1d_of_the_8b_shape_with_the_issues_faults() -
     command = step[
         step.index("cli bench soak") + len("cli bench soak") : step.index('> "$out/soak.log"')
     ]
-    command = command.replace("\\\n", " ").replace('"${MINUTES:-8}"', "8")
-    command = command.replace('"${KV_GIB:-8}"', "8")
+    command = command.replace("\\\n", " ")
+    command = re.sub(r'"\$\{\w+:-([^}]*)\}"', r"\1", command)  # ${MINUTES:-8} etc.: defaults
     command = command.replace("$((limit - 30))", "540").replace('"$out/', '"/tmp/out/')
     s = soak.settings_from_args(parse(*shlex.split(command)))
     assert (s.device, s.model, s.prefill, s.decode, s.minutes) == ("cuda", "llama-8b", 2, 1, 8)

@@ -70,7 +70,7 @@ soak)
     mark="soak-$$-$RANDOM" limit=$((${LIMIT:-570} - SECONDS))
     KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
         --device cuda --model llama-8b --prefill 2 --decode 1 --minutes "${MINUTES:-8}" \
-        --fault-every 60 --faults kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats \
+        --fault-every 60 --faults "${FAULTS:-kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats}" \
         --prompts 120 --prompt-tokens 2048 --kv-cache-gib "${KV_GIB:-8}" --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
         --log-dir "$out/soak-logs" > "$out/soak.log" 2>&1
     echo "soak rc=$?"; tail -40 "$out/soak.log"
