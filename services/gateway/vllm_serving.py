@@ -17,7 +17,8 @@ and the OpenAPI document (``openapi_doc``, from the same request models).
 
 Threading model: ``build_serving`` blocks (imports vLLM, reads the model folder: seconds) and
 runs on a worker thread at start; ``init`` runs on the gateway's loop. The serving objects are
-then used from the loop only.
+then used from the loop only; vLLM's renderer tokenizes prompts on a pool of its own
+(``TOKENIZER_THREADS`` threads, at most one per core: its ``--renderer-num-workers``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.config import GatewayConfig
+
+TOKENIZER_THREADS = 4  # prompts tokenized at once (the HF tokenizer releases the GIL)
 
 
 @dataclasses.dataclass
@@ -81,15 +84,24 @@ def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) 
     names = config.served_model_name.split(",") if config.served_model_name else [default_name]
     argv = ["--model", str(config.model), "--served-model-name", *names]
     argv += ["--max-model-len", str(config.max_model_len or max_model_len), "--disable-log-stats"]
-    argv += config.vllm_args
-    try:
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-        validate_parsed_serve_args(args)
-        # copies --reasoning-parser where init_app_state reads it (args.structured_outputs_config)
-        vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
-    except SystemExit:
-        raise ConfigError(f"vLLM rejected the serving flags {argv[2:]}") from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"vLLM rejected the serving flags: {exc}") from None
+    # prompts tokenized on several threads at once (vLLM's default is one: requests that come
+    # together queue behind each other's tokenization); a --vllm-arg given later wins
+    workers = ["--renderer-num-workers", str(min(TOKENIZER_THREADS, os.cpu_count() or 1))]
+    for tokenizers in (workers, []):  # one thread where vLLM refuses several (multimodal cache)
+        try:
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+                [*argv, *tokenizers, *config.vllm_args]
+            )
+            validate_parsed_serve_args(args)
+            # copies --reasoning-parser where init_app_state reads it
+            vllm_config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+            break
+        except SystemExit:
+            flags = [*argv[2:], *config.vllm_args]
+            raise ConfigError(f"vLLM rejected the serving flags {flags}") from None
+        except (ValueError, TypeError) as exc:
+            if tokenizers and "renderer-num-workers" in str(exc):
+                continue
+            raise ConfigError(f"vLLM rejected the serving flags: {exc}") from None
     renderer = renderer_from_config(vllm_config)
     return VllmServing(args, vllm_config, renderer, InputProcessor(vllm_config, renderer))

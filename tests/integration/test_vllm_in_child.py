@@ -275,3 +275,28 @@ def test_prefill_and_decode_engines_share_one_compile_cache(tmp_path, in_child) 
         hashes.append(vllm_config.compute_hash())
     assert kwargs.get("async_scheduling") is None  # D: vLLM's own choice; P: off
     assert hashes[0] == hashes[1]
+
+
+def test_the_gateway_tokenizes_on_several_threads_unless_a_vllm_arg_says_otherwise(
+    model_dir, in_child
+) -> None:
+    """vLLM's renderer tokenizes on one thread by default: requests that arrive together wait
+    for each other's tokenization (8192-token prompts: tens of ms each). The gateway asks for
+    up to ``TOKENIZER_THREADS`` (one per core at most); ``--vllm-arg`` still wins."""
+    if not in_child:
+        return
+    import os
+
+    from kvpush.services.gateway import config as gateway_config
+    from kvpush.services.gateway.vllm_serving import TOKENIZER_THREADS, build_serving
+
+    def threads(*flags: str) -> int:
+        parser = argparse.ArgumentParser()
+        gateway_config.add_arguments(parser)
+        config = gateway_config.GatewayConfig.from_args(
+            parser.parse_args(["--model", str(model_dir), *flags]), {}
+        )
+        return build_serving(config, "m", 512).vllm_config.model_config.renderer_num_workers
+
+    assert threads() == min(TOKENIZER_THREADS, os.cpu_count() or 1)
+    assert threads("--vllm-arg=--renderer-num-workers=1") == 1
