@@ -18,7 +18,8 @@ and the OpenAPI document (``openapi_doc``, from the same request models).
 Threading model: ``build_serving`` blocks (imports vLLM, reads the model folder: seconds) and
 runs on a worker thread at start; ``init`` runs on the gateway's loop. The serving objects are
 then used from the loop only; vLLM's renderer tokenizes prompts on a pool of its own
-(``TOKENIZER_THREADS`` threads, at most one per core: its ``--renderer-num-workers``).
+(``TOKENIZER_THREADS`` threads, at most one per core: its ``--renderer-num-workers``), a long
+text prompt in pieces at once (``long_prompts``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
+
+from kvpush.services.gateway import long_prompts
 
 if TYPE_CHECKING:
     from kvpush.services.gateway.config import GatewayConfig
@@ -104,4 +107,5 @@ def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) 
                 continue
             raise ConfigError(f"vLLM rejected the serving flags: {exc}") from None
     renderer = renderer_from_config(vllm_config)
+    long_prompts.install(renderer)  # long text prompts: tokenized in pieces at once
     return VllmServing(args, vllm_config, renderer, InputProcessor(vllm_config, renderer))

@@ -306,3 +306,30 @@ async def test_two_answers_at_once_under_one_x_request_id_both_come(stack: Stack
     assert all(a["choices"][0]["text"] == " w0 w1 w2 w3 w4" for _, a in answers)
     ids = sorted(e.request_id for e in s.decode.events)
     assert ids[0] == "cmpl-same" and ids[1].startswith("cmpl-same-") and len(set(ids)) == 2
+
+
+async def test_a_long_prompt_is_tokenized_in_pieces_to_the_ids_of_one_call(
+    stack: StackFactory, tokenizer: Any, monkeypatch: Any
+) -> None:
+    """Long text prompts take ``long_prompts`` (cut before words, encoded at once); the ids
+    are the tokenizer's own. The length from which it applies is lowered so that a prompt
+    within the tiny model's context takes it."""
+    from kvpush.services.gateway import long_prompts
+
+    texts: list[str] = []
+    encode = long_prompts.PieceTokenizer.encode
+
+    def recorded(self: Any, text: str, special: bool, piece_chars: int = 64) -> list[int]:
+        texts.append(text)
+        return encode(self, text, special, piece_chars=64)
+
+    monkeypatch.setattr(long_prompts, "MIN_CHARS", 400)
+    monkeypatch.setattr(long_prompts.PieceTokenizer, "encode", recorded)
+    s = await stack(max_body_bytes=1 << 20)
+    texts.clear()  # the check at start encodes its own texts
+    prompt = " ".join(f"Word{i % 7} and, then x{i}. (it's {i * 37})" for i in range(60))
+    status, answer = await s.post("/tokenize", {"model": "kvpush-tiny", "prompt": prompt})
+    assert status == 200, answer
+    assert answer["tokens"] == tokenizer(prompt)["input_ids"] and texts == [prompt]
+    status, answer = await s.post("/tokenize", {"model": "kvpush-tiny", "prompt": "short one"})
+    assert answer["tokens"] == tokenizer("short one")["input_ids"] and texts == [prompt]
