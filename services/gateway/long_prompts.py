@@ -35,17 +35,13 @@ LETTER_WORD: Final = r"?\p{L}+"  # in the split pattern: an optional char, then 
 
 
 def _probe_texts() -> list[str]:
-    """Texts that put every kind of neighbour on both sides of a cut."""
+    """Texts that put every kind of neighbour on both sides of a cut (about 10k characters)."""
     words = [
         "the", "Tokenizer", "naïve", "café", "x", "I'll", "don't", "(word)", "3.14", "1000000",
         "end.", "--flag", "a_b", "#tag", "ẞtraße", "日本語", "😀", "\t", "\n", "  ", "'s",
     ]  # fmt: skip
-    texts = []
-    for shift in range(len(words)):
-        texts.append(" ".join(words[shift:] + words[:shift]) * 40)
-    texts.append("word " * 3000 + "end")
-    texts.append(" leading space, then words" * 500)
-    return texts
+    texts = [" ".join(words[shift:] + words[:shift]) * 3 for shift in range(len(words))]
+    return [*texts, "word " * 300 + "end", " leading space, then words" * 40]
 
 
 class PieceTokenizer:
