@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter
 from typing import Any
 
@@ -147,8 +148,8 @@ class WorkerHalf:
         )
 
     def bind(self, meta: KVPushMetadata) -> None:
-        if self._gate is not None:  # a step that failed mid-forward skipped wait_for_save:
-            self._gate.drain()  # its layers must not count for this step's transfers
+        if self._gate is not None:  # the last step's recorded layers all handed on before
+            self._gate.drain()  # this step's work replaces them
         self._handed_over.clear()
         for address in meta.suspects:
             self.runtime.suspect_peer(address)
@@ -184,12 +185,14 @@ class WorkerHalf:
 
         A forward that vLLM replays as one whole CUDA graph (its FULL graphs, taken for a batch
         of one-token queries: a prompt P holds in its prefix cache but for its last token) runs
-        no ``save_kv_layer``: the layers it skipped are handed over here, behind the whole
-        forward on the stream (a pull's KvReady and a push's WRITEs waited for them forever)."""
-        if self.prefill is not None and self.prefill.completing:
+        no ``save_kv_layer``: its layers are handed over here, behind the whole forward on the
+        stream (a pull's KvReady and a push's WRITEs waited for them forever). Only a forward
+        that handed over no layer and raised nothing (vLLM calls this from a ``finally``): one
+        that failed part-way computed no KV to send."""
+        skipped = self.prefill is not None and self.prefill.completing and not self._handed_over
+        if skipped and sys.exc_info()[1] is None:
             for index in range(len(self._layer_index)):
-                if index not in self._handed_over:
-                    self._hand_over(index)
+                self._hand_over(index)
         if self._gate is not None:
             self._gate.drain()
 

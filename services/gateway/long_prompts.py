@@ -9,9 +9,10 @@ patterns: no pre-token spans such a boundary, and BPE merges never cross a pre-t
 encodes the pieces with the Rust tokenizer's ``encode_batch``, which runs them on its own
 threads; the ids are the pieces' ids joined, between the special tokens the tokenizer adds.
 
-It is used only where that is provably the same: a fast tokenizer with no normalizer, a
-byte-level pre-tokenizer splitting by such a pattern, and a check at start that encodes texts
-made to stress the boundaries both ways. ``install`` puts it in front of the renderer's
+It is used only where that is provably the same: a fast tokenizer with no normalizer (or NFC),
+a byte-level pre-tokenizer splitting by such a pattern, added tokens that neither hold nor strip
+whitespace, and a check at start that encodes texts made to stress the boundaries (the added
+tokens among them) both ways. ``install`` puts it in front of the renderer's
 tokenization for text prompts of ``MIN_CHARS`` or more that ask for no character offsets and
 no truncation that would apply; everything else takes vLLM's own path.
 
@@ -67,15 +68,19 @@ class PieceTokenizer:
         if backend is None or not hasattr(backend, "to_str"):
             return None
         spec = json.loads(backend.to_str())
-        if spec.get("normalizer") is not None or not _splits_before_words(spec["pre_tokenizer"]):
+        normalizer = spec.get("normalizer")
+        if normalizer not in (None, {"type": "NFC"}):  # NFC joins nothing across a space
+            return None
+        if not _splits_before_words(spec["pre_tokenizer"]) or not _plain_added(tokenizer):
             return None
         try:
             pieces = cls(backend)
         except StopIteration:  # the special tokens do not wrap the text: no way to place them
             return None
-        for text in _probe_texts():
-            for special in (True, False):
-                whole = backend.encode(text, add_special_tokens=special).ids
+        added = [token.content for token in backend.get_added_tokens_decoder().values()]
+        for text in [*_probe_texts(), " word ".join(["Say", *added[:64], "end"]) * 8]:
+            for special in (True, False):  # against the call vLLM makes
+                whole = list(tokenizer(text, add_special_tokens=special)["input_ids"])
                 if pieces.encode(text, special, piece_chars=64) != whole:
                     log.info("long prompts are tokenized in one call: pieces differ")
                     return None
@@ -92,6 +97,23 @@ class PieceTokenizer:
             i for e in self._tokenizer.encode_batch(pieces, add_special_tokens=False) for i in e.ids
         ]
         return [*self._prefix, *ids, *self._suffix] if add_special_tokens else ids
+
+
+def _plain_added(tokenizer: Any) -> bool:
+    """No added token that a cut could split or whose neighbour a cut could change: none with
+    whitespace in it or stripping it (lstrip, rstrip), none single-word, and special tokens
+    not encoded as text (``split_special_tokens``)."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return False
+    for token in tokenizer.backend_tokenizer.get_added_tokens_decoder().values():
+        if (
+            token.lstrip
+            or token.rstrip
+            or token.single_word
+            or any(c.isspace() for c in token.content)
+        ):
+            return False
+    return True
 
 
 def _splits_before_words(pre: dict[str, Any] | None) -> bool:

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 TOKENIZER_THREADS = 4  # prompts tokenized at once (the HF tokenizer releases the GIL)
 
 
+def tokenizer_threads() -> int:
+    """``TOKENIZER_THREADS``, at most one per core this process may run on."""
+    return max(1, min(TOKENIZER_THREADS, len(os.sched_getaffinity(0))))
+
+
 @dataclasses.dataclass
 class VllmServing:
     """vLLM's serving objects (set by ``init``) and the config they were built from."""
@@ -89,7 +94,7 @@ def build_serving(config: GatewayConfig, default_name: str, max_model_len: int) 
     argv += ["--max-model-len", str(config.max_model_len or max_model_len), "--disable-log-stats"]
     # prompts tokenized on several threads at once (vLLM's default is one: requests that come
     # together queue behind each other's tokenization); a --vllm-arg given later wins
-    workers = ["--renderer-num-workers", str(min(TOKENIZER_THREADS, os.cpu_count() or 1))]
+    workers = ["--renderer-num-workers", str(tokenizer_threads())]
     for tokenizers in (workers, []):  # one thread where vLLM refuses several (multimodal cache)
         try:
             args = make_arg_parser(FlexibleArgumentParser()).parse_args(

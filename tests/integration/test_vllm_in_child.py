@@ -9,6 +9,7 @@ fast tier (tests/unit) stays free of vLLM. Threading: none; each child is one pr
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -285,10 +286,8 @@ def test_the_gateway_tokenizes_on_several_threads_unless_a_vllm_arg_says_otherwi
     up to ``TOKENIZER_THREADS`` (one per core at most); ``--vllm-arg`` still wins."""
     if not in_child:
         return
-    import os
-
     from kvpush.services.gateway import config as gateway_config
-    from kvpush.services.gateway.vllm_serving import TOKENIZER_THREADS, build_serving
+    from kvpush.services.gateway.vllm_serving import build_serving, tokenizer_threads
 
     def threads(*flags: str) -> int:
         parser = argparse.ArgumentParser()
@@ -298,5 +297,5 @@ def test_the_gateway_tokenizes_on_several_threads_unless_a_vllm_arg_says_otherwi
         )
         return build_serving(config, "m", 512).vllm_config.model_config.renderer_num_workers
 
-    assert threads() == min(TOKENIZER_THREADS, os.cpu_count() or 1)
+    assert threads() == tokenizer_threads() > 1 or len(os.sched_getaffinity(0)) == 1
     assert threads("--vllm-arg=--renderer-num-workers=1") == 1

@@ -99,3 +99,22 @@ def test_pieces_give_the_ids_of_one_call_for_byte_level_split_patterns(kind: str
 @pytest.mark.parametrize("kind", ["metaspace", "normalized"])
 def test_a_tokenizer_whose_ids_a_cut_could_change_gets_none(kind: str) -> None:
     assert PieceTokenizer.of(trained(kind)) is None
+
+
+def test_added_tokens_that_hold_or_strip_whitespace_turn_it_off_plain_ones_keep_the_ids() -> None:
+    from transformers import AddedToken
+
+    stripping = trained("gpt2")
+    stripping.add_special_tokens({"additional_special_tokens": [AddedToken("<t>", rstrip=True)]})
+    spaced = trained("gpt2")
+    spaced.add_tokens(["<my token>"], special_tokens=True)
+    split = trained("gpt2")
+    split.split_special_tokens = True
+    assert PieceTokenizer.of(stripping) is PieceTokenizer.of(spaced) is PieceTokenizer.of(split)
+    assert PieceTokenizer.of(split) is None
+    plain = trained("gpt2")
+    plain.add_tokens(["<|tool|>"], special_tokens=True)
+    pieces = PieceTokenizer.of(plain)
+    assert pieces is not None
+    text = "hello world<|tool|> and more words " * 40
+    assert pieces.encode(text, True, piece_chars=16) == plain(text)["input_ids"]
