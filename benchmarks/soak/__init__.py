@@ -213,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_bytes(report.dump(result))
     table = report.markdown(result)
-    name, command = report.section_of(result)
+    name, command = report.section_of(result, Path(args.report or args.json or "soak.json"))
     published = docgen.publish(table, args.doc, name, command, args.check)
     for failure in result.failures:
         print(f"[soak] FAIL: {failure}", file=sys.stderr)

@@ -13,8 +13,9 @@ KV), the gateway's own kv outcome counts disagreeing with the soak's checked pat
 phase that stopped early (a worker or nats-server that failed on its own).
 
 ``markdown`` renders the tables of a report, deterministically, so the copy in
-``docs/reliability.md`` (its generated section: ``SECTION`` for the CPU soak, ``GPU_SECTION``
-for the H200's, by the report's device: ``section_of``; see ``kvpush.benchmarks.docgen``) can
+``docs/reliability.md`` (its generated section: ``SECTION`` for the CPU soak, one per GPU run
+from ``GPU_SECTION`` on, by the report's device and file: ``section_of``; see
+``kvpush.benchmarks.docgen``) can
 be checked against the committed JSON. Reports written before the killer (one worker per
 role, every kind in rounds), or before the device and model were recorded (the CPU soak, the
 tiny model), load with the defaults of the fields they lack and render as they did.
@@ -152,11 +153,16 @@ def failures(report: SoakReport) -> list[str]:
     return out + leak_failures(report.intervals)
 
 
-def section_of(report: SoakReport) -> tuple[str, str]:
-    """The generated section of ``docs/reliability.md`` a report goes to, and its command."""
-    if report.settings.device == "cuda":
+def section_of(report: SoakReport, path: Path | None = None) -> tuple[str, str]:
+    """The generated section of ``docs/reliability.md`` a report goes to, and its command. A
+    GPU run (each under 10 minutes: a few faults each) has one of its own, named after its
+    file: ``reliability-soak-h200-2.json`` -> ``soak-h200-2`` (the first, ``GPU_SECTION``)."""
+    if report.settings.device != "cuda":
+        return SECTION, REPORT_COMMAND
+    if path is None or not path.stem.startswith(f"reliability-{GPU_SECTION}"):
         return GPU_SECTION, GPU_REPORT_COMMAND
-    return SECTION, REPORT_COMMAND
+    name = path.stem.removeprefix("reliability-")
+    return name, f"kvpush bench soak --report docs/{path.name} --doc docs/reliability.md"
 
 
 def load(path: Path) -> SoakReport:

@@ -250,15 +250,28 @@ def test_a_gpu_report_goes_to_its_own_section_and_leaves_the_cpu_one(tmp_path: P
     assert soak.main(parse("--report", str(path), "--doc", str(doc), "--check")) == 0
 
 
-def test_the_committed_h200_soak_table_is_the_one_its_json_generates() -> None:
+def test_each_committed_gpu_soak_table_is_the_one_its_json_generates() -> None:
     docs = Path(__file__).resolve().parents[2] / "docs"
-    json_path = docs / "reliability-soak-h200.json"
-    if not json_path.exists():
-        pytest.skip("no H200 soak committed yet (tests/gpu/h200.sh soak)")
-    committed = report.load(json_path)
+    runs = sorted(docs.glob(f"reliability-{report.GPU_SECTION}*.json"))
+    if not runs:
+        pytest.skip("no GPU soak committed yet (tests/gpu/h200.sh soak)")
     doc = (docs / "reliability.md").read_text()
-    assert docgen.section(doc, report.GPU_SECTION) == report.markdown(committed)
-    assert report.failures(committed) == committed.failures
+    for json_path in runs:
+        committed = report.load(json_path)
+        name, command = report.section_of(committed, json_path)
+        assert docgen.section(doc, name) == report.markdown(committed), json_path
+        assert command in doc and report.failures(committed) == committed.failures
+
+
+def test_every_gpu_run_gets_a_section_named_after_its_file() -> None:
+    run = gpu_report()
+    assert report.section_of(run, Path("docs/reliability-soak-h200.json")) == (
+        report.GPU_SECTION,
+        report.GPU_REPORT_COMMAND,
+    )
+    name, command = report.section_of(run, Path("docs/reliability-soak-h200-2.json"))
+    assert name == "soak-h200-2" and "--report docs/reliability-soak-h200-2.json" in command
+    assert report.section_of(run, Path("/tmp/out/soak-h200.json"))[0] == report.GPU_SECTION
 
 
 def test_the_h200_soak_step_runs_2p1d_of_the_8b_shape_with_the_issues_faults() -> None:
