@@ -302,7 +302,7 @@ async def test_sigterm_on_the_decode_worker_drains_it(
     client = up_stack.client()
     pid = up_stack.worker_pid(DECODE_ID)
     stream = await client.completions.create(
-        prompt="keep going", stream=True, **greedy("push", 2000, ignore_eos=True)
+        prompt="keep going", stream=True, **greedy("push", 200, ignore_eos=True)
     )
     chunks = 0
     async for chunk in stream:
