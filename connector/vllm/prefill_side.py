@@ -388,8 +388,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
                     self._by_tid[tid].req_finished = True
             released: set[str] = set()
             for tid, out in list(self._by_tid.items()):
-                if out.state is OutgoingState.WAITING:
-                    if out.req_finished and not out.completing:
+                if out.state is OutgoingState.WAITING:  # (a layer never handed over: no KV)
+                    if out.req_finished and len(out.computed) < self.num_layers:
                         self._fail(out, FailReason.PREFILL, "request ended before its prefill")
                     elif now > out.deadline:
                         self._fail(out, FailReason.DEADLINE, "no announcement from decode in time")

@@ -506,3 +506,15 @@ def test_d_counts_each_writing_p_rank_by_its_side_channel() -> None:
     ((tid, _timeout, peer, sender_at),) = _legs(rec, "expect")
     assert (tid, peer, sender_at) == (TID, "tcp://a", {"tcp://a": 0, "tcp://b": 1})
     assert side._by_tid[TID].peers == ["tcp://a", "tcp://b"]  # both are probed if P falls silent
+
+
+def test_a_pull_whose_request_ended_with_a_layer_never_computed_fails_at_once() -> None:
+    """Not at the deadline: D recomputes now (a forward that raised, a hook that never ran)."""
+    rec = Recorder()
+    side, _ = prefill_side(rec)
+    side.on_work([PrefillWork("r0", params(TransferMode.PULL), [0, 1], 8, True)])
+    side.on_layer_saved(0)
+    assert side._by_tid[TID].state is OutgoingState.WAITING and not rec.messages(KvReady)
+    assert side.collect({"r0"}, []) == {"r0"}
+    (failed,) = rec.messages(KvFailed)
+    assert failed.reason is FailReason.PREFILL and not rec.messages(KvReady)
