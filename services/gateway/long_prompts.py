@@ -71,7 +71,7 @@ class PieceTokenizer:
         normalizer = spec.get("normalizer")
         if normalizer not in (None, {"type": "NFC"}):  # NFC joins nothing across a space
             return None
-        if not _splits_before_words(spec["pre_tokenizer"]) or not _plain_added(tokenizer):
+        if not _splits_before_words(spec["pre_tokenizer"]) or not _plain_added(tokenizer, backend):
             return None
         try:
             pieces = cls(backend)
@@ -99,13 +99,13 @@ class PieceTokenizer:
         return [*self._prefix, *ids, *self._suffix] if add_special_tokens else ids
 
 
-def _plain_added(tokenizer: Any) -> bool:
+def _plain_added(tokenizer: Any, backend: Any) -> bool:
     """No added token that a cut could split or whose neighbour a cut could change: none with
     whitespace in it or stripping it (lstrip, rstrip), none single-word, and special tokens
     not encoded as text (``split_special_tokens``)."""
     if getattr(tokenizer, "split_special_tokens", False):
         return False
-    for token in tokenizer.backend_tokenizer.get_added_tokens_decoder().values():
+    for token in backend.get_added_tokens_decoder().values():
         if (
             token.lstrip
             or token.rstrip
@@ -130,8 +130,8 @@ def _splits_before_words(pre: dict[str, Any] | None) -> bool:
     kinds = [step.get("type") for step in steps]
     if kinds != ["Split", "ByteLevel"] or steps[1].get("use_regex"):
         return False
-    pattern = steps[0].get("pattern", {}).get("Regex", "")
     split = steps[0]
+    pattern = split.get("pattern", {}).get("Regex", "")
     return (
         LETTER_WORD in pattern and split.get("behavior") == "Isolated" and not split.get("invert")
     )
@@ -154,11 +154,11 @@ def install(renderer: Any) -> bool:
 
     def tokenize(prompt: Any, params: Any) -> Any:
         text = prompt.get("prompt")
+        if not isinstance(text, str) or len(text) < MIN_CHARS:  # most prompts: vLLM's call
+            return whole(prompt, params)
         kwargs = params.get_encode_kwargs()
         plain = set(kwargs) <= {"truncation", "max_length", "add_special_tokens"}
-        if not isinstance(text, str) or len(text) < MIN_CHARS or not plain:
-            return whole(prompt, params)
-        if renderer._wants_offsets(prompt, params):
+        if not plain or renderer._wants_offsets(prompt, params):
             return whole(prompt, params)
         ids = pieces.encode(text, kwargs.get("add_special_tokens", True))
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
