@@ -148,7 +148,8 @@ def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
     """docs/benchmarks/gpu-serve/integrity/: kvpush-push with and without --kv-checksum."""
     from kvpush.benchmarks.serve import report
 
-    for run in ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side"):
+    runs = ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side", "checksum-side-30s")
+    for run in runs:
         folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
         assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
 
@@ -204,11 +205,12 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
     assert not routing_report.write_doc(folder / "results.md", folder / "results.json", check=True)
 
 
-def test_routing_h200_md_is_what_the_committed_h200_run_generates() -> None:
-    """docs/benchmarks/routing/h200.md (issue 32 on the H200: tests/gpu/h200.sh routing)."""
+@pytest.mark.parametrize("card", ["h200", "h100"])
+def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> None:
+    """docs/benchmarks/routing/<card>.md (issue 32 on one GPU: tests/gpu/h200.sh routing)."""
     from kvpush.benchmarks.serve import routing_report
 
     folder = DOCS / "benchmarks" / "routing"
-    assert not routing_report.write_doc(folder / "h200.md", folder / "h200.json", check=True)
-    text = (folder / "h200.md").read_text()
-    assert routing_report.report_command(folder / "h200.json", folder / "h200.md") in text
+    doc, data = folder / f"{card}.md", folder / f"{card}.json"
+    assert not routing_report.write_doc(doc, data, check=True)
+    assert routing_report.report_command(data, doc) in doc.read_text()

@@ -16,12 +16,12 @@
 # `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
 # command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
 # (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
-# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x; checksum-c1: c=1 only, 40
-# requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
+# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x, DURATION seconds of arrivals
+# per loaded point, default 10 (engines takes it too); checksum-c1: c=1 only, 40 requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
 # load and faults, default 8, cut to fit the step's 585 s), routing (issue 32: kvpush-routed,
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
-# prefix-repetition tables (TABLES=... for others: chat:8192), c=1 and 4, into routing;
-# docs/benchmarks/routing/). Every step first unpacks the bundle
+# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
+# routing, within LIMIT seconds (default 585); docs/benchmarks/routing/). Every step first unpacks the bundle
 # once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
@@ -47,7 +47,7 @@ SERVE=(bench serve --device cuda --model llama-8b --repeats 1 --output-len 32
 # start no system past this many seconds), joined afterwards
 ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --output-len 64
     --tables random:2048,random:8192,prefix:2048 --qps auto --capacity 2048=19,8192=4.6
-    --fractions 0.25,0.5,1.0 --concurrency 1 --duration 10 --min-requests 8
+    --fractions 0.25,0.5,1.0 --concurrency 1 --duration "${DURATION:-10}" --min-requests 8
     --time-budget "${BUDGET:-560}")
 
 case $step in
@@ -88,7 +88,8 @@ soak)
 checksum)
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
         --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
-        --capacity 2048=19 --fractions 0.25,0.5 --concurrency 1 --duration 10 --min-requests 8 \
+        --capacity 2048=19 --fractions 0.25,0.5 --concurrency 1 --duration "${DURATION:-10}" \
+        --min-requests 8 \
         --time-budget 540 --systems kvpush-push,kvpush-push-unchecked \
         --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
     echo "checksum rc=$?"; tail -8 "$out/checksum.log"
@@ -110,10 +111,12 @@ routing)
     if [ -d .gpu/extra ] && [ ! -d /tmp/site/pandas ]; then
         python3 -m pip install -q --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl
     fi
-    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
-        --client vllm --repeats 1 --output-len 64 --qps "" \
+    limit=${LIMIT:-585}
+    timeout "$limit" setsid python3 -m kvpush.services.cli bench serve --device cuda \
+        --model llama-8b --client vllm --repeats 1 --output-len 64 --qps "" \
         --tables "${TABLES:-reuse50:8192,reuse90:8192}" \
-        --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 --time-budget 540 \
+        --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 \
+        --time-budget $((limit - 45)) \
         --systems "${SYSTEMS:-kvpush-routed,kvpush-least-loaded,vllm-serve,vllm-push}" \
         --out-dir "$out/routing" > "$out/routing.log" 2>&1
     echo "routing rc=$?"; tail -8 "$out/routing.log"
