@@ -6,23 +6,24 @@
 #
 #   KVPUSH_REVISION=<commit> tests/gpu/h200.sh STEP OUT
 #
-# STEP: ipc (tests/gpu/gpu_ipc.py: a WRITE over cuda_ipc into adjacent allocations),
-# transport (kvpush bench transport --device cuda, every case, then the streamed push
-# under other poll intervals), stream (the streamed push with a worker's intervals), swap
-# (tests.gpu.gpu_swap), check (tests.gpu.gpu_serve, with vLLM's API features; check-vllm: the
-# same, one repeat, into check-vllm), serve-a / serve-b / serve-tuned /
-# serve-kvpush / serve-aggregated (the serving
-# benchmark in two parts of under 10 minutes, joined afterwards with
-# `kvpush bench serve --join`), engines (SYSTEMS=...: issue 29's benchmark, one system a
-# command), engine-check / engine-kvpush / engine-vllm-serve / engine-breakdown / engine-trace
-# (the engine-mode probe, tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and
-# without --kv-checksum, random 2048, c=1 and 0.25x / 0.5x, DURATION seconds of arrivals
-# per loaded point, default 10 (engines takes it too); checksum-c1: c=1 only, 40 requests), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of
-# load and faults, default 8, cut to fit the step's 585 s), routing (issue 32: kvpush-routed,
-# kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
-# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
-# routing, within LIMIT seconds (default 585); docs/benchmarks/routing/). Every step first unpacks the bundle
-# once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp); results go under OUT.
+# STEP: ipc (tests/gpu/gpu_ipc.py: a WRITE over cuda_ipc into adjacent allocations), transport
+# (kvpush bench transport --device cuda, every case, then the streamed push under other poll
+# intervals), stream (the streamed push with a worker's intervals), swap (tests.gpu.gpu_swap),
+# check (tests.gpu.gpu_serve, with vLLM's API features; check-vllm: the same, one repeat, into
+# check-vllm), serve-a / serve-b / serve-tuned / serve-kvpush / serve-aggregated (the serving
+# benchmark in two parts of under 10 minutes, joined afterwards with `kvpush bench serve --join`),
+# engines (SYSTEMS=...: issue 29's benchmark, one system a command), engine-check / engine-kvpush
+# / engine-vllm-serve / engine-breakdown / engine-trace (the engine-mode probe,
+# tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and without --kv-checksum, random
+# 2048, c=1 and 0.25x / 0.5x, DURATION seconds of arrivals per loaded point, default 10 (engines
+# takes it too); checksum-c1: c=1 only, MIN_REQUESTS (40) requests, REPEATS (1) repeats, systems
+# in turn), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of load
+# and faults, default 8, cut to fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue
+# 32: kvpush-routed, kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the
+# reuse50/reuse90 prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1
+# and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/). Every step
+# first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
+# results go under OUT.
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
@@ -97,8 +98,8 @@ checksum)
     ;;
 checksum-c1)  # the same at c=1 only, 40 requests a system
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
-        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps "" \
-        --concurrency 1 --min-requests 40 --time-budget 540 \
+        --client vllm --repeats "${REPEATS:-1}" --output-len 64 --tables random:2048 --qps "" \
+        --concurrency 1 --min-requests "${MIN_REQUESTS:-40}" --time-budget 540 \
         --systems kvpush-push,kvpush-push-unchecked \
         --out-dir "$out/checksum-c1" > "$out/checksum-c1.log" 2>&1
     echo "checksum-c1 rc=$?"; tail -8 "$out/checksum-c1.log"
