@@ -48,6 +48,7 @@ SAME_RUN_KEYS = (
     "traced",
     "capacity_given",
     "device",
+    "gpu",
     "client",
     "load_format",
     "gpu_memory_utilization",

@@ -79,7 +79,9 @@ def _meta_lines(document: Document) -> list[str]:
     )
     lines = [
         f"Run of {meta.get('date', '?')} at kvpush {meta.get('kvpush_rev', '?')}: vLLM "
-        f"{meta.get('vllm', '?')}, nixl {meta.get('nixl', '?')}, model "
+        f"{meta.get('vllm', '?')}, nixl {meta.get('nixl', '?')}"
+        + (f", on {meta['gpu']}" if meta.get("gpu") else "")
+        + ", model "
         f"{model.get('name', '?')}" + (f" ({shape})" if shape else "") + f", "
         f"{meta.get('output_len', '?')} output tokens, {meta.get('repeats', 1)} repeat(s), "
         f"{meta.get('duration_s', '?')} s of arrivals per QPS point.",

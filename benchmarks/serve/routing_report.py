@@ -88,7 +88,7 @@ def _meta_lines(document: Document) -> list[str]:
         n for n, s in document.systems.items() if not isinstance(s, dict) or s.get("ok")
     )
     lines = [f"Systems: {systems or '—'}."]
-    keys = ("device", "model", "client", "repeats", "output_len")
+    keys = ("device", "gpu", "model", "client", "repeats", "output_len")
     shown = []
     for key in keys:
         value = meta.get(key)

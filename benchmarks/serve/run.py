@@ -54,6 +54,7 @@ from kvpush.benchmarks.serve.results import Capacity, Document, Point
 from kvpush.benchmarks.serve.systems import KVPUSH_SYSTEMS, BenchContext, KvpushSystem, System
 from kvpush.services import models
 from kvpush.services.workers.config import resolve_device
+from kvpush.services.workers.kv_memory import gpu_identity
 
 
 def system_classes() -> dict[str, type[System]]:
@@ -239,6 +240,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "cores": os.cpu_count(),
         "prefill_core": ctx.prefill_core,
         "device": ctx.device,
+        "gpu": gpu_identity(ctx.gpu) if ctx.cuda else None,  # the card, as nvidia-smi names it
         "gpu_memory_utilization": ctx.gpu_memory_utilization if ctx.cuda else None,
         "load_format": ctx.load_format,
         "decode_core": ctx.decode_core,

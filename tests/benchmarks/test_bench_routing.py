@@ -497,3 +497,17 @@ def test_a_document_without_routing_loads_and_one_with_it_round_trips() -> None:
     document = _with_routing()
     again = results.loads(results.dumps(document))
     assert [p.routing for p in again.points] == [p.routing for p in document.points]
+
+
+def test_the_card_a_gpu_run_ran_on_is_named_in_both_reports() -> None:
+    from kvpush.benchmarks.serve import report
+
+    document = _document()
+    document.meta = {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3, 81559 MiB", "repeats": 1}
+    assert "Run: device cuda, gpu NVIDIA H100 80GB HBM3, 81559 MiB, repeats 1." in (
+        routing_report.body(document)
+    )
+    assert ", on NVIDIA H100 80GB HBM3, 81559 MiB, model " in report.render(document)
+    document.meta = {"device": "cpu", "repeats": 1}  # a CPU run (or one from before): no card
+    run_line = next(line for line in report.render(document).splitlines() if "Run of" in line)
+    assert ", on " not in run_line and ", nixl ?, model ?" in run_line
