@@ -68,9 +68,10 @@ soak)
     # cores, nats-server) is killed by its pid: the step ends within 585 s
     # LIMIT: the step's seconds in all (default 570; less when the session's device time is)
     # KV_GIB: each engine's KV cache (default 8; 4 lets the three fit an 80 GiB card)
+    # DECODE: decode workers (default 1; 2, on an H200 with KV_GIB=4: a D fault costs no answer)
     mark="soak-$$-$RANDOM" limit=$((${LIMIT:-570} - SECONDS))
     KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
-        --device cuda --model llama-8b --prefill 2 --decode 1 --minutes "${MINUTES:-8}" \
+        --device cuda --model llama-8b --prefill 2 --decode "${DECODE:-1}" --minutes "${MINUTES:-8}" \
         --fault-every 60 --faults "${FAULTS:-kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats}" \
         --prompts 120 --prompt-tokens 2048 --kv-cache-gib "${KV_GIB:-8}" --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
         --log-dir "$out/soak-logs" > "$out/soak.log" 2>&1
