@@ -21,9 +21,10 @@
 # and faults, default 8, cut to fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue
 # 32: kvpush-routed, kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the
 # reuse50/reuse90 prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1
-# and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/). Every step
-# first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
-# results go under OUT.
+# and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load
+# (issue 32's load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x). Every
+# step first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree
+# (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
@@ -105,6 +106,19 @@ checksum-c1)  # the same at c=1 only, 40 requests a system
         --out-dir "$out/checksum-c1" > "$out/checksum-c1.log" 2>&1
     echo "checksum-c1 rc=$?"; tail -8 "$out/checksum-c1.log"
     tar czf "$out/checksum-c1.tgz" -C "$out" checksum-c1 && rm -rf "$out/checksum-c1"
+    ;;
+routed-load)
+    # issue 32's load target: kvpush-routed (2P1D sharing the GPU at 0.25 each; vllm-serve gets
+    # 0.5) against vllm-serve on fresh random 2048-token prompts, c=1 and 0.25x / 0.5x / 1.0x of
+    # the 8B shape's prefill capacity: P99 TTFT 1.1x of vllm-serve's or less up to its knee
+    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
+        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
+        --capacity 2048=19 --fractions 0.25,0.5,1.0 --concurrency 1 --duration "${DURATION:-10}" \
+        --min-requests 16 --gpu-memory-utilization 0.25 --time-budget 540 \
+        --systems "${SYSTEMS:-kvpush-routed,vllm-serve}" \
+        --out-dir "$out/routed-load" > "$out/routed-load.log" 2>&1
+    echo "routed-load rc=$?"; tail -8 "$out/routed-load.log"
+    tar czf "$out/routed-load.tgz" -C "$out" routed-load && rm -rf "$out/routed-load"
     ;;
 routing)
     # issue 32: three engines share the GPU (2 P + 1 D at 0.25 each; vllm-serve gets 0.5).
