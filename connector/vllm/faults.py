@@ -119,14 +119,24 @@ class SlowPrefillConnector(KVPushConnector):
         return self._publish(subject, message, *args, **kwargs)
 
     def _flip(self, out: Outgoing, layer: int) -> None:
-        """Flip the lowest bit of the first element of the first block P sends of ``layer``."""
+        """Flip the lowest bit of the first element of the first block P sends of ``layer``. On
+        CUDA after the layer's block sums ran (their side stream: queued, not yet run, they
+        would take the flipped bit in) and before the WRITE is posted (NIXL reads the memory,
+        not in stream order)."""
         half = self.worker_half
-        assert half is not None and half.transport is not None
+        assert half is not None and half.transport is not None and half.prefill is not None
         announced = next(iter(out.announcements.values()), None)
         first = announced.first_token // half.block_size if announced is not None else 0
         region = half.transport.layout.layers[layer][0]
         rows = int_rows(half.kv_layers[layer], region)
+        sums = half.prefill.kv_sums
+        if sums is not None and sums.side_stream is not None:
+            sums.side_stream.synchronize()
         rows[out.block_ids[first], 0] ^= 1
+        if rows.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(rows.device).synchronize()
 
     def _stale_write(self, out: Outgoing, transport_id: str) -> None:
         """WRITE layer 0 again, into the same blocks of D, from our blocks in reverse order, as
