@@ -19,10 +19,11 @@ slice that is a run of parts): on CUDA one Triton kernel reads each block once
 copy). Only these small sums reach the host, once per transfer; the weighting (``checksum``,
 ``part_checksums``) is the same numpy code on both sides.
 
-- P (``SourceSums``): each layer's sums are queued in ``save_kv_layer`` before its WRITE is
-  posted; on CUDA on the side stream, after an event of the forward's stream (the layers that
-  follow do not wait for them, and no host sync per layer); after the last layer one
-  non-blocking copy to pinned memory, read when the done notice is sent.
+- P (``SourceSums``): once ``save_kv_layer`` saw the last layer, every layer's sums in one
+  pass (the blocks do not change until the transfer ends); on CUDA one kernel on the side
+  stream, after an event of the forward's stream (the forward does no work of theirs and
+  waits for none), then one non-blocking copy to pinned memory, read when the done notice (or
+  KvReady) is sent.
 - D (``KvSums.all_layers``): the landed blocks' sums, on CUDA on a side stream, read before the
   receive is reported to vLLM.
 
@@ -245,12 +246,14 @@ class KvSums:
         """``[L, R, n, parts]`` sums of blocks ``ids`` now (D: what landed); on CUDA on a side
         stream, so it waits for nothing but itself."""
         if self._side is None:
-            return self._all_layers(ids).value()
+            return self.pending_sums(ids).value()
         with self._torch.cuda.stream(self._side):
-            pending = self._all_layers(ids)
+            pending = self.pending_sums(ids)
         return pending.value()
 
-    def _all_layers(self, ids: Sequence[int]) -> Pending:
+    def pending_sums(self, ids: Sequence[int]) -> Pending:
+        """The sums of every layer of blocks ``ids``, queued on the current stream (CUDA: one
+        launch, then a pinned copy; ``Pending.value`` waits for it)."""
         index, out = self.index(ids), self.buffer(len(ids))
         if self._table is not None:  # one launch for every layer
             self._table.fill(out, 0, self.num_layers * self.regions, index)
@@ -261,42 +264,37 @@ class KvSums:
 
 
 class SourceSums:
-    """P: the block sums of one request's blocks, taken layer by layer as each is computed
-    (``add``), on the host once every layer is in (``value``)."""
+    """P: the block sums of one request's blocks, taken in one pass once its last layer is
+    computed (``add`` counts the layers in), on the host after that (``value``)."""
 
     def __init__(self, kv: KvSums, block_ids: Sequence[int]) -> None:
         self._kv = kv
         self.ids = list(block_ids)
-        self._index: Any = None
-        self._out: Any = None
         self._added: set[int] = set()
         self._pending: Pending | None = None
 
     def add(self, layer: int) -> None:
-        """Take ``layer``'s sums; called on the forward's stream once the layer's KV is written.
-        On CUDA they run on the side stream, after an event of the forward's: the layers that
-        follow do not wait for them (only the done notice does, through ``value``)."""
-        if self._pending is not None or layer in self._added:
+        """``layer`` is computed (called on the forward's thread once its KV is queued). With
+        the last layer in, every layer's sums are queued at once: on CUDA one kernel on the side
+        stream, after an event of the forward's stream. Nothing of the forward waits for them
+        and it runs no work of theirs per layer; only the done notice does, through ``value``
+        (every layer of a 2048-token prompt of the 8B shape: 256 MiB to read, beside the last
+        layer's WRITE)."""
+        if self._pending is not None:
+            return
+        self._added.add(layer)
+        if len(self._added) < self._kv.num_layers:
             return
         side = self._kv.side_stream
         if side is None:
-            self._add(layer)
+            self._pending = self._kv.pending_sums(self.ids)
             return
         torch = self._kv.torch
         written = torch.cuda.Event()
-        written.record()  # on the forward's stream: the layer's KV is in its blocks
+        written.record()  # on the forward's stream: every layer's KV is in its blocks
         side.wait_event(written)
         with torch.cuda.stream(side):  # the buffers live and die on the side stream
-            self._add(layer)
-
-    def _add(self, layer: int) -> None:
-        if self._out is None:
-            self._index, self._out = self._kv.index(self.ids), self._kv.buffer(len(self.ids))
-        self._kv.fill(self._out, layer, self._index)
-        self._added.add(layer)
-        if len(self._added) == self._kv.num_layers:
-            self._pending = self._kv.to_host(self._out)
-            self._index = self._out = None
+            self._pending = self._kv.pending_sums(self.ids)
 
     def value(self) -> np.ndarray | None:
         """``[L, R, blocks, parts]`` once every layer was added, else None."""

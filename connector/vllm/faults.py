@@ -10,9 +10,10 @@ production settings never see) and applies them around the real code:
 - ``fault_step_delay_ms``: every forward step of the engine sleeps this long first (a slow
   decode), so a worker can be killed or stopped while an answer streams.
 - ``fault_corrupt_prefix``: P of a transfer whose id starts with this flips the lowest bit of
-  one KV element (of the first block it sends, every layer) after the KV checksum was taken
-  and before D gets the bytes: push, just before each layer's WRITE is posted; pull, just
-  before KvReady goes out. Bytes corrupted in flight, as far as D can tell.
+  one KV element (of the first block it sends) after the KV checksum was taken and before D
+  gets the bytes: push, of the last layer, just before its WRITE is posted (P takes the
+  checksum once every layer is computed: earlier layers' WRITEs go before it); pull, of every
+  layer, just before KvReady goes out. Bytes corrupted in flight, as far as D can tell.
 - ``fault_stale_write_prefix``: P of such a push, before its last layer's WRITE, WRITEs layer 0
   once more into D's blocks from a stale sender (a transfer of its own that names the request's
   transfer id with an older allocation epoch): the request's own blocks in reverse order, i.e.
@@ -101,11 +102,11 @@ class SlowPrefillConnector(KVPushConnector):
     def _push_layers(self, transport_id: str, layers: Any) -> bool:
         out = self._outgoing(transport_id)
         tid = out.params.transfer_id if out is not None else ""
-        if out is not None and self.corrupt_prefix and tid.startswith(self.corrupt_prefix):
-            for layer in layers:
-                self._flip(out, layer)
-        stale = out is not None and bool(self.stale_prefix) and tid.startswith(self.stale_prefix)
         last = self.worker_half.prefill.num_layers - 1  # type: ignore[union-attr]
+        corrupt = bool(self.corrupt_prefix) and tid.startswith(self.corrupt_prefix)
+        if out is not None and corrupt and last in layers:
+            self._flip(out, last)
+        stale = out is not None and bool(self.stale_prefix) and tid.startswith(self.stale_prefix)
         if stale and last in layers and 0 not in layers:  # layer 0's WRITE went before
             self._stale_write(out, transport_id)  # type: ignore[arg-type]
         return self._post(transport_id, layers)

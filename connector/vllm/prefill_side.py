@@ -12,8 +12,9 @@ mode: once every layer is computed P announces its blocks (``KvReady``) and expe
 of every D rank that holds its heads. Either way the blocks are released to vLLM
 (``finished_sending``) only on quiesced terminal transport events (docs/design.md, correctness
 rule 4), after the bus heard the outcome: KvPushed, KvFailed or AbortAck. With the KV
-checksum on, each layer's block sums are taken as it is computed (``on_layer_computed``, before
-its WRITE); the done notice of a push (and a KvReady) carries the checksum (integrity.py).
+checksum on, the block sums of every layer are taken in one pass once the last layer is
+computed (``on_layer_computed``); the done notice of a push (and a KvReady) carries the checksum
+(integrity.py).
 
 The per-transfer object and its states are ``outgoing.Outgoing``'s.
 
@@ -148,8 +149,9 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
         return bool(self._completing)
 
     def on_layer_computed(self, layer: int) -> None:
-        """Forward thread, as ``layer`` is computed and before its WRITE: take its block sums
-        (on CUDA on the side stream, after an event of the forward's: ``SourceSums.add``)."""
+        """Forward thread, as ``layer`` is computed and before its WRITE: count it in; with the
+        last layer in, every layer's block sums are queued (on CUDA on the side stream, after an
+        event of the forward's: ``SourceSums.add``)."""
         if self.kv_sums is None or not self._completing:
             return
         with self.lock:

@@ -8,8 +8,9 @@ KV in GPU memory once the GPU ran it: ``gate.LayerGate``, drained by ``wait_for_
 ``transfer_results`` drains transport events into vLLM's finished_sending / finished_recving /
 failed_recving sets. The protocol itself lives in ``prefill_side.py`` and ``decode_side.py``.
 With the KV checksum on (``kv_checksum``, the default) the registered tensors also get a
-``KvSums`` view (integrity.py): P takes each layer's block sums in ``save_kv_layer`` before the
-layer is handed on, D verifies what landed before a receive is reported.
+``KvSums`` view (integrity.py): P counts each layer in ``save_kv_layer`` before the layer is
+handed on and takes every layer's block sums in one pass with the last one, D verifies what
+landed before a receive is reported.
 
 With tensor parallelism there is one worker half per TP rank, each with its own NIXL agent,
 side channel and bus connection; rank r pairs with rank r of the peer (``rank`` on every bus
@@ -166,11 +167,12 @@ class WorkerHalf:
             self._hand_over(index)
 
     def _hand_over(self, index: int) -> None:
-        """Layer ``index`` of this step's forward is enqueued: take its sums, then pass it on."""
+        """Layer ``index`` of this step's forward is enqueued: count it in for the KV checksum,
+        then pass it on."""
         assert self.prefill is not None
         self._handed_over.add(index)
-        self.prefill.on_layer_computed(index)  # the KV checksum's sums: before the layer is
-        # handed on (on CUDA: queued on the forward's stream, before the gate's event)
+        self.prefill.on_layer_computed(index)  # the last one queues every layer's sums: before
+        # it is handed on (on CUDA: after it on the forward's stream, before the gate's event)
         if self._gate is not None:
             self._gate.record(index)  # on the GPU: posted once the layer ran
         else:

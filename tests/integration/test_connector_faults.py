@@ -238,8 +238,9 @@ def checked_first(
 def test_kv_corrupted_after_its_checksum_is_caught_and_decode_recomputes(
     slow_prefill: EngineProc, decode: EngineProc, rng: random.Random, mode: str
 ) -> None:
-    """One bit of every layer's first block flips after P took the checksum, before D gets the
-    bytes (push: before each WRITE; pull: before KvReady). D must not use that KV."""
+    """One bit of a layer's first block flips after P took the checksum, before D gets the
+    bytes (push: the last layer's, before its WRITE; pull: every layer's, before KvReady). D
+    must not use that KV."""
     before = checked_first(slow_prefill, decode, rng, mode)
     ids = prompt(rng, 2 * BLOCK + 50)
     expected = reference(decode, ids)

@@ -82,6 +82,25 @@ def test_one_flipped_bit_and_two_swapped_blocks_change_it_and_nothing_else_does(
     assert checksum(sums.all_layers(ids)) not in (base, swapped)
 
 
+def test_p_takes_every_layer_s_sums_once_the_last_layer_is_in() -> None:
+    """P's sums come in one pass with the last layer (the forward runs none of them per layer):
+    none before, what the blocks hold then, and a flip after them is not in them."""
+    kv = pool()
+    sums, ids = sums_of(kv, HEADS), [3, 4, 9]
+    source = SourceSums(sums, ids)
+    source.add(0)
+    assert source.value() is None  # a layer still to come: nothing taken yet
+    rows = int_rows(kv[0], pool_layout([[kv[0]]]).layers[0][0])
+    rows[4, 5] ^= 1  # layer 0 changes after it was counted in, before the last layer
+    source.add(LAYERS - 1)
+    taken = source.value()
+    assert taken is not None and checksum(taken) == checksum(sums.all_layers(ids))
+    rows[4, 5] ^= 1  # after the sums: what a fault in flight does
+    assert checksum(taken) != checksum(sums.all_layers(ids))
+    source.add(0)  # a layer handed over again (a replayed forward) takes nothing anew
+    assert checksum(source.value()) == checksum(taken)
+
+
 def test_the_same_bytes_elsewhere_in_another_memory_order_give_the_same_checksum() -> None:
     """D's pool is another tensor; a token-major (GPU-like, permuted) cache is summed over its
     bytes as they lie, which is what a WRITE copies."""
