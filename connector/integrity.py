@@ -21,9 +21,8 @@ copy). Only these small sums reach the host, once per transfer; the weighting (`
 
 - P (``SourceSums``): once ``save_kv_layer`` saw the last layer, every layer's sums in one
   pass (the blocks do not change until the transfer ends); on CUDA one kernel on the side
-  stream, after an event of the forward's stream (the forward does no work of theirs and
-  waits for none), then one non-blocking copy to pinned memory, read when the done notice (or
-  KvReady) is sent.
+  stream, after an event of the forward's stream (the forward's layers run no work of theirs),
+  then one non-blocking copy to pinned memory, read when the done notice (or KvReady) is sent.
 - D (``KvSums.all_layers``): the landed blocks' sums, on CUDA on a side stream, read before the
   receive is reported to vLLM.
 
@@ -222,10 +221,8 @@ class KvSums:
         return self._torch.empty(shape, dtype=self._torch.int64, device=self.device)
 
     def fill(self, out: Any, layer: int, index: Any) -> None:
-        """``layer``'s sums of rows ``index`` into ``out[layer]``, on the current stream."""
-        if self._table is not None:
-            self._table.fill(out[layer], layer * self.regions, self.regions, index)
-            return
+        """``layer``'s sums of rows ``index`` into ``out[layer]``, on the current stream, with
+        torch ops (the Triton kernel fills every layer at once: ``pending_sums``)."""
         for region, view in enumerate(self.views[layer]):
             rows = view.index_select(0, index).view(len(index), self.parts, -1)
             out[layer, region, :, :, 0] = rows.sum(-1, dtype=self._torch.int64)
@@ -276,10 +273,10 @@ class SourceSums:
     def add(self, layer: int) -> None:
         """``layer`` is computed (called on the forward's thread once its KV is queued). With
         the last layer in, every layer's sums are queued at once: on CUDA one kernel on the side
-        stream, after an event of the forward's stream. Nothing of the forward waits for them
-        and it runs no work of theirs per layer; only the done notice does, through ``value``
-        (every layer of a 2048-token prompt of the 8B shape: 256 MiB to read, beside the last
-        layer's WRITE)."""
+        stream, after an event of the forward's stream; the forward's layers run no work of
+        theirs. The done notice (or KvReady) waits for them through ``value``, and so does the
+        end of the step, which drains the gate thread that sends it (every layer of a
+        2048-token prompt of the 8B shape: 256 MiB to read, after the last layer)."""
         if self._pending is not None:
             return
         self._added.add(layer)

@@ -6,7 +6,7 @@ over the gathered copy. This kernel reads each block's bytes once, straight from
 regions (a device table of their base addresses and strides, built and compiled once, at
 registration), and writes one partial sum per chunk of each block part; summing the chunks
 gives the torch path's numbers exactly (integer sums: any order gives the same value). P
-launches it once per layer, D once for every layer of a receive.
+and D each launch it once for every layer of a transfer.
 
 Threading model: none of its own; launches run on the caller's current CUDA stream.
 """

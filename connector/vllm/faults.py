@@ -63,6 +63,7 @@ class SlowPrefillConnector(KVPushConnector):
         self.step_delay_s = float(extra.get("fault_step_delay_ms", 0.0)) / 1000.0
         self.corrupt_prefix = str(extra.get("fault_corrupt_prefix") or "")
         self.stale_prefix = str(extra.get("fault_stale_write_prefix") or "")
+        self._flipped: set[str] = set()  # pushes corrupted (one flip each, not one per leg)
         self._post: Any = None
         self._publish: Any = None
 
@@ -104,7 +105,8 @@ class SlowPrefillConnector(KVPushConnector):
         tid = out.params.transfer_id if out is not None else ""
         last = self.worker_half.prefill.num_layers - 1  # type: ignore[union-attr]
         corrupt = bool(self.corrupt_prefix) and tid.startswith(self.corrupt_prefix)
-        if out is not None and corrupt and last in layers:
+        if out is not None and corrupt and last in layers and tid not in self._flipped:
+            self._flipped.add(tid)  # a second leg's flip would undo the first
             self._flip(out, last)
         stale = out is not None and bool(self.stale_prefix) and tid.startswith(self.stale_prefix)
         if stale and last in layers and 0 not in layers:  # layer 0's WRITE went before
@@ -121,9 +123,9 @@ class SlowPrefillConnector(KVPushConnector):
 
     def _flip(self, out: Outgoing, layer: int) -> None:
         """Flip the lowest bit of the first element of the first block P sends of ``layer``. On
-        CUDA after the layer's block sums ran (their side stream: queued, not yet run, they
-        would take the flipped bit in) and before the WRITE is posted (NIXL reads the memory,
-        not in stream order)."""
+        CUDA after the block sums of every layer ran (one pass on their side stream: queued,
+        not yet run, it would take the flipped bit in) and before the WRITE is posted (NIXL
+        reads the memory, not in stream order)."""
         half = self.worker_half
         assert half is not None and half.transport is not None and half.prefill is not None
         announced = next(iter(out.announcements.values()), None)

@@ -171,8 +171,8 @@ class WorkerHalf:
         then pass it on."""
         assert self.prefill is not None
         self._handed_over.add(index)
-        self.prefill.on_layer_computed(index)  # the last one queues every layer's sums: before
-        # it is handed on (on CUDA: after it on the forward's stream, before the gate's event)
+        self.prefill.on_layer_computed(index)  # the last one queues every layer's sums before
+        # it is handed on (on CUDA: behind an event of the forward's stream, on the side stream)
         if self._gate is not None:
             self._gate.record(index)  # on the GPU: posted once the layer ran
         else:
