@@ -79,7 +79,7 @@ def _action(
 
 
 def build_parser(prog: str = "kvpush bench") -> argparse.ArgumentParser:
-    from kvpush.benchmarks import idle, route, serve, soak, transport
+    from kvpush.benchmarks import checksum, idle, route, serve, soak, transport
 
     parser = argparse.ArgumentParser(
         prog=prog, description="benchmarks (results go under docs/benchmarks/)"
@@ -125,6 +125,14 @@ def build_parser(prog: str = "kvpush bench") -> argparse.ArgumentParser:
         route.__doc__,
         route.add_arguments,
         _runs("route"),
+    )
+    _action(
+        sub,
+        "checksum",
+        "what the KV checksum of one transfer costs P and D: the 8B shape's KV, 2k and 8k tokens",
+        checksum.__doc__,
+        checksum.add_arguments,
+        _runs("checksum"),
     )
     _action(
         sub,

@@ -199,6 +199,11 @@ class KvSums:
             self.all_layers([0])
 
     @property
+    def kernel(self) -> str:
+        """What takes the sums: ``triton`` (integrity_cuda.py) or ``torch`` (ops per region)."""
+        return "triton" if self._table is not None else "torch"
+
+    @property
     def side_stream(self) -> Any:
         """The CUDA stream the sums run on beside the forward's (None off CUDA)."""
         return self._side
