@@ -16,15 +16,16 @@
 # / engine-vllm-serve / engine-breakdown / engine-trace (the engine-mode probe,
 # tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and without --kv-checksum, random
 # 2048, c=1 and 0.25x / 0.5x, DURATION seconds of arrivals per loaded point, default 10 (engines
-# takes it too); checksum-c1: c=1 only, MIN_REQUESTS (40) requests, REPEATS (1) repeats, systems
-# in turn), soak (issue 31: the chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of load
-# and faults, default 8, cut to fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue
-# 32: kvpush-routed, kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the
-# reuse50/reuse90 prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1
-# and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load
-# (issue 32's load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x). Every
-# step first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree
-# (/tmp/kp); results go under OUT.
+# takes it too); checksum-cost: `kvpush bench checksum` on the GPU, TTFT=...; checksum-c1: c=1
+# only, MIN_REQUESTS (40) requests, REPEATS (1) repeats, systems in turn), soak (issue 31: the
+# chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of load and faults, default 8, cut to
+# fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue 32: kvpush-routed,
+# kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
+# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
+# routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
+# load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x). Every step first
+# unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
+# results go under OUT.
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
@@ -97,6 +98,15 @@ checksum)
         --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
     echo "checksum rc=$?"; tail -8 "$out/checksum.log"
     tar czf "$out/checksum.tgz" -C "$out" checksum && rm -rf "$out/checksum"
+    ;;
+checksum-cost)
+    # issue 31: `kvpush bench checksum` on the GPU, the 8B shape's KV: what one transfer's
+    # checksum costs P and D (seconds); TTFT: kvpush-push's c=1 P50 at each length, the
+    # share's base (default: docs/benchmarks/gpu-serve.md's H200 run)
+    timeout 300 python3 -m kvpush.services.cli bench checksum --device cuda \
+        --ttft "${TTFT:-2048=69.2,8192=237}" --out "$out/checksum-cost.json" \
+        > "$out/checksum-cost.log" 2>&1
+    echo "checksum-cost rc=$?"; tail -8 "$out/checksum-cost.log"
     ;;
 checksum-c1)  # the same at c=1 only, 40 requests a system
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
