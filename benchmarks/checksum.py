@@ -202,9 +202,8 @@ def table(results: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.report:
-        body = table(json.loads(Path(args.report).read_text()))
         command = f"kvpush bench checksum --report {args.report} --doc {args.doc}"
-        return docgen.publish(body, args.doc, SECTION, command, args.check)
+        return docgen.publish_report(args, table, SECTION, command)
     results = run(args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

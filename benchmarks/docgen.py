@@ -18,12 +18,14 @@ Threading model: plain functions, no state.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def revision() -> str:
@@ -125,3 +127,12 @@ def publish(body: str, doc: str | None, name: str, command: str, check: bool = F
         return 1
     print(f"{doc}: {'updated' if changed else 'up to date'}")
     return 0
+
+
+def publish_report(
+    args: Any, table: Callable[[dict[str, Any]], str], name: str, command: str
+) -> int:
+    """``--report FILE [--doc DOC] [--check]`` of a benchmark whose results are one JSON file:
+    ``table`` of FILE's data, then ``publish``."""
+    body = table(json.loads(Path(args.report).read_text()))
+    return publish(body, args.doc, name, command, args.check)

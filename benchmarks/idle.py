@@ -222,8 +222,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.report:
-        body = table(json.loads(Path(args.report).read_text()))
-        return docgen.publish(body, args.doc, "idle", REPORT_COMMAND, args.check)
+        return docgen.publish_report(args, table, "idle", REPORT_COMMAND)
     from kvpush.services import models
     from kvpush.services.natsd import EmbeddedNats
 

@@ -298,8 +298,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.report:
-        body = table(json.loads(Path(args.report).read_text()))
-        return docgen.publish(body, args.doc, SECTION, REPORT_COMMAND, args.check)
+        return docgen.publish_report(args, table, SECTION, REPORT_COMMAND)
     print(f"kvpush bench route: {args.prefixes} prefixes, {args.repeats} calls a case", flush=True)
     results = run(args.prefixes, args.repeats, args.seed)
     text = json.dumps(results, indent=2) + "\n"
