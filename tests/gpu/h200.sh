@@ -118,17 +118,22 @@ checksum-c1)  # the same at c=1 only, 40 requests a system
     tar czf "$out/checksum-c1.tgz" -C "$out" checksum-c1 && rm -rf "$out/checksum-c1"
     ;;
 routed-load)
-    # issue 32's load target: kvpush-routed (2P1D sharing the GPU at 0.25 each; vllm-serve gets
-    # 0.5) against vllm-serve on fresh random 2048-token prompts, c=1 and 0.25x / 0.5x / 1.0x of
-    # the 8B shape's prefill capacity: P99 TTFT 1.1x of vllm-serve's or less up to its knee
-    timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
-        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
-        --capacity 2048=19 --fractions 0.25,0.5,1.0 --concurrency 1 --duration "${DURATION:-10}" \
-        --min-requests 16 --gpu-memory-utilization 0.25 --time-budget 540 \
-        --systems "${SYSTEMS:-kvpush-routed,vllm-serve}" \
-        --out-dir "$out/routed-load" > "$out/routed-load.log" 2>&1
-    echo "routed-load rc=$?"; tail -8 "$out/routed-load.log"
-    tar czf "$out/routed-load.tgz" -C "$out" routed-load && rm -rf "$out/routed-load"
+    # issue 32's load target: kvpush-routed against vllm-serve on fresh random 2048-token
+    # prompts, c=1 and 0.25x / 0.5x / 1.0x of the 8B shape's prefill capacity: P99 TTFT 1.1x of
+    # vllm-serve's or less up to its knee. One bench run per system (join them with `kvpush
+    # bench serve --join`): kvpush-routed's three engines (2P1D) share the GPU at 0.25 each;
+    # vllm-serve keeps the bench's default share (its one engine 0.8, as in issue 29's runs)
+    for name in ${SYSTEMS:-kvpush-routed vllm-serve}; do
+        share=(); [ "$name" = vllm-serve ] || share=(--gpu-memory-utilization 0.25)
+        timeout 285 setsid python3 -m kvpush.services.cli bench serve --device cuda \
+            --model llama-8b --client vllm --repeats 1 --output-len 64 --tables random:2048 \
+            --qps auto --capacity 2048=19 --fractions 0.25,0.5,1.0 --concurrency 1 \
+            --duration "${DURATION:-10}" --min-requests 16 "${share[@]}" --time-budget 270 \
+            --systems "$name" --out-dir "$out/routed-load-$name" > "$out/routed-load-$name.log" 2>&1
+        echo "routed-load $name rc=$?"; tail -8 "$out/routed-load-$name.log"
+        tar czf "$out/routed-load-$name.tgz" -C "$out" "routed-load-$name" \
+            && rm -rf "$out/routed-load-$name"
+    done
     ;;
 routing)
     # issue 32: three engines share the GPU (2 P + 1 D at 0.25 each; vllm-serve gets 0.5).
