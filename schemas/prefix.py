@@ -75,21 +75,32 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) 
     whole = len(token_ids) - len(token_ids) % block_size
     if whole == 0:
         return np.empty(0, dtype=np.int64)
-    # a list of ints converts fastest through array() of unsigned 64-bit words, whole (slicing
-    # the list first copies it); every token id is below 2**32
-    tokens = np.frombuffer(array(_WORD, token_ids), dtype=np.uint64)[:whole]
+    tokens = np.frombuffer(_words(token_ids), dtype=np.uint64)[:whole]
     if whole <= TABLE_TOKENS:
         powers, inverse = _POWERS[:whole], _INVERSE_POWERS[:whole]
         ones = _INVERSE_SUMS[block_size - 1 : whole : block_size]
     else:
         powers, inverse = _powers(BASE, whole), _powers(_BASE_INV, whole)
         ones = _running_sums(inverse)[block_size - 1 :: block_size]
-    # sum_j (t_j + 1) * BASE**-(j + 1) up to each block's end: the tokens' part, then the ones'
-    sums = np.cumsum(tokens * inverse, dtype=np.uint64)[block_size - 1 :: block_size]
+    # sum_j (t_j + 1) * BASE**-(j + 1) up to each block's end: the tokens' part (in place: the
+    # words are this call's own), then the ones'
+    tokens *= inverse
+    sums = np.add.accumulate(tokens, out=tokens)[block_size - 1 :: block_size]
     sums += ones
     sums += np.uint64(parent & _MASK)
     sums *= powers[block_size - 1 :: block_size]
     return sums.view(np.int64)
+
+
+def _words(token_ids: Sequence[int]) -> array[int]:
+    """The token ids as unsigned 64-bit words (every token id is below 2**32), whole: slicing
+    the list first copies it. ``fromlist`` converts a list faster than ``array(code, list)``,
+    which reads it item by item through the generic sequence protocol."""
+    if not isinstance(token_ids, list):
+        return array(_WORD, token_ids)
+    words = array(_WORD)
+    words.fromlist(token_ids)
+    return words
 
 
 def iter_block_hashes(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 1.5  # three heartbeats: a kill is noticed within 2 s
+TICK_SLACK_S = 1e-3  # a tick reads the leases from this long before the earliest one ends
 
 
 class MemberState(enum.Enum):
@@ -126,8 +128,10 @@ class Membership:
         self.listeners = Listeners()
         self.rejected = 0  # heartbeats of members past max_members
         self.rejoined = 0  # gone members heard again with the same epoch
+        self.changes = 0  # counts what changes the answer of ``members``: a join, a state's move
         self._clock = clock
         self._members: dict[tuple[WorkerRole, str], Member] = {}
+        self._lease_ends = math.inf  # no member's lease ends before it (a lower bound)
 
     @property
     def tick_s(self) -> float:
@@ -149,7 +153,9 @@ class Membership:
         if member is not None and beat.epoch == member.heartbeat.epoch:
             if member.state is not MemberState.GONE:
                 member.heartbeat, member.seen_at = beat, max(member.seen_at, now)
-                member.move(MemberState.DRAINING if beat.draining else MemberState.ALIVE)
+                self._lease_may_end(member)
+                if member.move(MemberState.DRAINING if beat.draining else MemberState.ALIVE):
+                    self.changes += 1
                 return member
             self.rejoined += 1  # stopped past its lease, or cut off: what it held was released
         elif member is not None:  # a higher epoch: the old incarnation is gone
@@ -162,6 +168,8 @@ class Membership:
                 return None
         state = MemberState.DRAINING if beat.draining else MemberState.ALIVE
         member = self._members[key] = Member(beat, now, state)
+        self.changes += 1
+        self._lease_may_end(member)
         log.info("worker %s/%s joined (epoch %d)", beat.role.value, beat.worker_id, beat.epoch)
         for call in self.listeners.joined:
             call(member)
@@ -174,12 +182,24 @@ class Membership:
         return now - member.seen_at > lease_s and not _sent_in_time(member, beat, lease_s)
 
     def tick(self) -> None:
-        """Expire the members whose lease ran out (the owner's timer calls it every ``tick_s``)."""
-        now = self._clock()
+        """Expire the members whose lease ran out (the owner's timer calls it every ``tick_s``).
+        Before the earliest lease can end (less ``TICK_SLACK_S``: far above the rounding of
+        the clock's sums) none did, and the members are not read: the gateway ticks at every
+        look-up."""
+        now, default = self._clock(), self.lease_s
+        if now < self._lease_ends - TICK_SLACK_S:
+            return
         for member in list(self._members.values()):
-            lease = member.lease_s(self.lease_s)
-            if member.state is not MemberState.GONE and now - member.seen_at > lease:
+            if member.state is MemberState.GONE:
+                continue  # left already: no lease to read
+            if now - member.seen_at > member.lease_s(default):
                 self._leave(member, LeaveReason.EXPIRED)
+        live = (m for m in self._members.values() if m.state is not MemberState.GONE)
+        self._lease_ends = min((m.seen_at + m.lease_s(default) for m in live), default=math.inf)
+
+    def _lease_may_end(self, member: Member) -> None:
+        """``member``'s heartbeat (or its time) changed: its lease may end before the others'."""
+        self._lease_ends = min(self._lease_ends, member.seen_at + member.lease_s(self.lease_s))
 
     def member(self, role: WorkerRole, worker_id: str) -> Member | None:
         """The member of that id (gone ones too, until forgotten)."""
@@ -188,6 +208,7 @@ class Membership:
     def _leave(self, member: Member, reason: LeaveReason) -> None:
         if not member.move(MemberState.GONE, reason):
             return
+        self.changes += 1
         role, worker_id = member.key
         log.warning("worker %s/%s left (%s)", role.value, worker_id, reason.value)
         for call in self.listeners.left:
@@ -199,10 +220,10 @@ class Membership:
 
     def members(self, role: WorkerRole, *, include_draining: bool = False) -> Iterator[Member]:
         """The live members of ``role`` (draining ones too if asked)."""
-        wanted = (
-            {MemberState.ALIVE, MemberState.DRAINING} if include_draining else {MemberState.ALIVE}
-        )
-        return (m for (r, _), m in self._members.items() if r is role and m.state in wanted)
+        members = self._members.items()
+        if include_draining:
+            return (m for (r, _), m in members if r is role and m.state is not MemberState.GONE)
+        return (m for (r, _), m in members if r is role and m.state is MemberState.ALIVE)
 
     def epoch(self, role: WorkerRole, worker_id: str) -> int | None:
         """The live member's epoch, or None if it is gone or unknown."""

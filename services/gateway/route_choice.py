@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from kvpush.schemas.messages import TransferMode, WorkerHeartbeat
-from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate
+from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate, TransferShare
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -50,6 +50,8 @@ class RouteReason(str, enum.Enum):
 class LiveWorker(Protocol):
     """What the choice reads of a live worker (``worker_registry.WorkerState``)."""
 
+    @property
+    def worker_id(self) -> str: ...
     @property
     def heartbeat(self) -> WorkerHeartbeat: ...
     @property
@@ -119,6 +121,7 @@ class Choice(Generic[W]):
     prefill: W | None  # None: LOCAL
     choice: Estimate
     alternatives: tuple[Estimate, ...]
+    carrier: W | None = None  # LOCAL: the least-loaded P (prefill_order), when P were read
 
 
 def choose(
@@ -138,32 +141,32 @@ def choose(
     d_running: list[int] = []
     d_keys: list[_DecodeKey] = []
     for d in decodes:
-        beat = d.heartbeat
         load, running = d.load_running()
-        d_ids.append(beat.worker_id)
+        d_ids.append(d.worker_id)
         d_loads.append(load)
         d_running.append(running)
-        d_keys.append((load, -beat.free_blocks, d.last_pick))
+        d_keys.append((load, -d.heartbeat.free_blocks, d.last_pick))
     d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
     d_views = [model.view(w) for w in d_ids]
     p_ids: list[str] = []
     p_loads: list[int] = []
     p_hits: list[int] = []
+    p_keys: list[_PrefillKey] = []
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
     # LOCAL's P key is () and its P index -1
     ranked: list[tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]] = []
     for mode in modes:
         if mode is TransferMode.LOCAL:
+            # every D (the final sort keeps the cheapest; one sort fewer than ranking them here)
             parts = model.local_parts(d_views, d_loads, d_missing, d_running)
-            d_ranked = sorted(zip(parts, d_keys, range(len(d_ids)), strict=True))
-            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_ranked[: ALTERNATIVES + 1]]
+            d_all = zip(parts, d_keys, range(len(d_ids)), strict=True)
+            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_all]
             continue
         if not p_ranked:
-            p_keys: list[_PrefillKey] = []
             for p in prefills:
                 load = p.load
-                p_ids.append(p.heartbeat.worker_id)
+                p_ids.append(p.worker_id)
                 p_loads.append(load)
                 p_keys.append((load, p.last_pick))
             p_hits, p_missing = _prefix_hits(hits, p_ids, prompt_tokens)
@@ -173,14 +176,16 @@ def choose(
                 : ALTERNATIVES + 1
             ]
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
-        cheapest_p = p_ranked[0][0]
-        totals = [share.total(cheapest_p) for share in shares]
-        d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))
+        (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
+        totals = TransferShare.totals(shares, cheapest_p)
+        d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
+        # the cheapest P's pairs have their totals already; the other P's are computed
+        ranked += [(cost, rank, d_key, cheapest_key, cheapest_j, i) for cost, d_key, i in d_ranked]
         ranked += [
             (shares[i].total(p_cost), rank, d_key, p_key, j, i)
-            for p_cost, p_key, j in p_ranked
-            for _, d_key, i in d_ranked[: ALTERNATIVES + 1]
+            for p_cost, p_key, j in other_ps
+            for _, d_key, i in d_ranked
         ]
     ranked.sort()
     estimates: list[Estimate] = []
@@ -211,7 +216,10 @@ def choose(
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))
     _, _, _, _, best_p, best_d = ranked[0]
     prefill = prefills[best_p] if best_p >= 0 else None
-    return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]))
+    carrier = None
+    if prefill is None and p_keys:  # the first least-loaded, as min(prefills, key=prefill_order)
+        carrier = prefills[p_keys.index(min(p_keys))]
+    return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]), carrier)
 
 
 def _prefix_hits(
@@ -223,7 +231,7 @@ def _prefix_hits(
     if not hits:
         return [0] * len(worker_ids), [whole] * len(worker_ids)
     most = prompt_tokens - 1
-    found = [max(0, min(hits.get(w, 0), most)) for w in worker_ids]
+    found = [max(0, min(hits[w], most)) if w in hits else 0 for w in worker_ids]
     return found, [whole - hit for hit in found]
 
 

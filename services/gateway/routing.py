@@ -175,9 +175,9 @@ class Router:
         transfer = modes != (TransferMode.LOCAL,)
         hits: dict[str, int] = {}
         if self.prefix is not None and self.prefix.block_size > 0 and not isinstance(prompt, int):
-            workers = [s.heartbeat.worker_id for s in decodes]
+            workers = [s.worker_id for s in decodes]
             if transfer:
-                workers += [s.heartbeat.worker_id for s in prefills]
+                workers += [s.worker_id for s in prefills]
             hits = self.prefix.matched_tokens(prompt, workers)
         picked = choose(self.costs, prompt_tokens, hits, decodes, prefills, modes)
         decode, prefill = picked.decode, picked.prefill
@@ -194,7 +194,9 @@ class Router:
         if prefill is None:
             prefill_id = DECODE_ONLY
             if prefills:  # any live P carries the subject; it ignores LOCAL requests
-                carrier = min(prefills, key=prefill_order)
+                carrier = picked.carrier  # the least-loaded, when the choice read them
+                if carrier is None:
+                    carrier = min(prefills, key=prefill_order)
                 self.registry.mark(carrier, count=False)
                 prefill_id = carrier.heartbeat.worker_id
             local = TransferMode.LOCAL

@@ -51,6 +51,10 @@ class WorkerState:
     ended_since_heartbeat: int = 0  # this gateway's requests that heartbeat counts, ended since
     last_pick: float = 0.0
     beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
+    worker_id: str = field(init=False, repr=False, compare=False)  # the member's, read often
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.member.heartbeat.worker_id
 
     @property
     def heartbeat(self) -> WorkerHeartbeat:
@@ -58,18 +62,24 @@ class WorkerState:
 
     @property
     def load(self) -> int:
-        hb = self.heartbeat  # in_flight holds queue_depth: a queued request counts once
-        return max(0, hb.in_flight - self.ended_since_heartbeat) + self.sent_since_heartbeat
+        return self._load(self.member.heartbeat)
+
+    def _load(self, hb: WorkerHeartbeat) -> int:
+        # in_flight holds queue_depth: a queued request counts once; what ended since, at most
+        # all of it (a conditional, not max(): the router asks this of every candidate)
+        left = hb.in_flight - self.ended_since_heartbeat
+        return (left if left > 0 else 0) + self.sent_since_heartbeat
 
     def load_running(self) -> tuple[int, int]:
         """``load`` and, inside it, the requests past their first token (on D: decoding, or
         waiting for their KV); the rest wait for this worker's own prefill: its heartbeat's
         ``queue_depth``, less those that started since, and those sent since not started.
         Both at once: the router asks this of every candidate per request."""
-        load = self.load
-        queued = max(0, self.member.heartbeat.queue_depth - self.started_since_heartbeat)
-        waiting = min(load, queued + self.sent_since_heartbeat - self.sent_running)
-        return load, load - waiting
+        hb = self.member.heartbeat
+        load = self._load(hb)
+        queued = hb.queue_depth - self.started_since_heartbeat
+        waiting = (queued if queued > 0 else 0) + self.sent_since_heartbeat - self.sent_running
+        return load, (load - waiting if waiting < load else 0)  # waiting: at most the load
 
     @property
     def waiting(self) -> int:
@@ -115,7 +125,11 @@ class WorkerRegistry:
         self.model = model
         self.stats = RegistryStats()
         self._clock = clock
-        self._workers: dict[tuple[WorkerRole, str], WorkerState] = {}
+        # by role, then id (a role's look-ups hash its ids only: a str caches its hash)
+        self._workers: dict[WorkerRole, dict[str, WorkerState]] = {role: {} for role in WorkerRole}
+        # alive's answers by (role, include_draining), while the membership's changes are these
+        self._alive: dict[tuple[WorkerRole, bool], list[WorkerState]] = {}
+        self._alive_changes = -1
         self._seen = {role: asyncio.Event() for role in WorkerRole}  # set: a worker was seen
 
     async def on_message(self, subject: str, message: BusMessage) -> None:
@@ -125,7 +139,7 @@ class WorkerRegistry:
 
     def observe(self, hb: WorkerHeartbeat) -> None:
         member = self.membership.observe(hb)
-        state = self._workers.get((hb.role, hb.worker_id))
+        state = self._workers[hb.role].get(hb.worker_id)
         if member is not None and state is not None and state.member is member:
             state.sent_since_heartbeat = state.sent_running = 0
             state.started_since_heartbeat = state.ended_since_heartbeat = 0
@@ -133,16 +147,20 @@ class WorkerRegistry:
 
     def _joined(self, member: Member) -> None:
         hb = member.heartbeat
-        self._workers[member.key] = WorkerState(member)
+        self._workers[hb.role][hb.worker_id] = WorkerState(member)
+        self._alive_changes = -1
         self._seen[hb.role].set()
         if self.model and hb.model != self.model and hb.worker_id not in self.stats.model_mismatch:
             self.stats.model_mismatch.add(hb.worker_id)
             log.warning("worker %s serves %r, gateway %r", hb.worker_id, hb.model, self.model)
 
     def _left(self, member: Member) -> None:
-        state = self._workers.get(member.key)
+        role, worker_id = member.key
+        states = self._workers[role]
+        state = states.get(worker_id)
         if state is not None and state.member is member:
-            del self._workers[member.key]
+            del states[worker_id]
+        self._alive_changes = -1
         if member.left_because is LeaveReason.RESTARTED:
             self.stats.restarts += 1
         elif member.left_because is LeaveReason.EXPIRED:
@@ -175,11 +193,20 @@ class WorkerRegistry:
     def alive(
         self, role: WorkerRole, *, include_draining: bool = False, tick: bool = True
     ) -> list[WorkerState]:
-        """The live workers of ``role`` (``tick``: expire those past their lease first)."""
+        """The live workers of ``role`` (``tick``: expire those past their lease first). Kept
+        until the membership changes (``Membership.changes``) or a worker joins or leaves: the
+        router asks for them twice per request."""
         if tick:
             self.membership.tick()
-        members = self.membership.members(role, include_draining=include_draining)
-        return [self._workers[m.key] for m in members]
+        if self._alive_changes != self.membership.changes:
+            self._alive_changes, self._alive = self.membership.changes, {}
+        key = (role, include_draining)
+        found = self._alive.get(key)
+        if found is None:
+            members = self.membership.members(role, include_draining=include_draining)
+            states = self._workers[role]
+            found = self._alive[key] = [states[m.heartbeat.worker_id] for m in members]
+        return list(found)  # the caller's own
 
     def epoch(self, role: WorkerRole, worker_id: str) -> int | None:
         """The live worker's epoch, or None if it is gone (lease expired)."""
@@ -207,7 +234,7 @@ class WorkerRegistry:
             state.sent_running += running
 
     def _state(self, role: WorkerRole, worker_id: str, epoch: int) -> WorkerState | None:
-        state = self._workers.get((role, worker_id))
+        state = self._workers[role].get(worker_id)
         return state if state is not None and state.heartbeat.epoch == epoch else None
 
     def started(self, role: WorkerRole, worker_id: str, epoch: int, beats: int) -> None:

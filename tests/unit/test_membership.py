@@ -127,3 +127,19 @@ def test_member_moves_only_along_legal_transitions() -> None:
     member = Member(beat(D, "d0"), 0.0)
     assert member.move(MemberState.GONE, LeaveReason.EXPIRED)
     assert not member.move(MemberState.ALIVE) and member.state is MemberState.GONE
+
+
+def test_a_shorter_lease_stated_later_is_read_by_the_next_tick() -> None:
+    # a tick reads no member before the earliest lease can end: a beat that shortens its lease
+    # moves that end, and the silent member leaves on time
+    view, clock, events = membership(lease_s=2.0)
+    view.observe(msgspec.structs.replace(beat(P, "p0"), lease_ms=10_000))
+    clock.now += 1.0
+    view.tick()  # no lease ends before 11.0
+    view.observe(msgspec.structs.replace(beat(P, "p0"), lease_ms=500))
+    clock.now += 0.4
+    view.tick()
+    assert ids(view, P) == ["p0"]
+    clock.now += 0.2
+    view.tick()
+    assert ids(view, P) == [] and events[-1][1].left_because is LeaveReason.EXPIRED
