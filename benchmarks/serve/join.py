@@ -5,7 +5,7 @@ each a whole ``kvpush bench serve`` with its own systems and the same plan other
 load points, repeats, and the prefill capacity given with ``--capacity`` (so every part derives
 the same rates and, from the point ids, the same prompts). ``join`` checks that the parts agree
 on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems and
-the revision, plus the given capacity), then takes each system's points from the last part that
+the revision and the GPU memory share, plus the given capacity), then takes each system's points from the last part that
 ran it (a part that re-ran a failed system replaces the earlier one). Each part's revision,
 date, systems and command line are kept under ``meta["parts"]``. A part cut short (killed at
 its time limit) joins with the checkpoint it saved after each system (``load_part``).
@@ -25,7 +25,9 @@ from kvpush.benchmarks.serve.checkpoint import SAME_RUN_KEYS
 from kvpush.benchmarks.serve.results import Document
 
 PART_KEYS = ("date", "kvpush_rev", "systems", "argv")
-FREE_KEYS = ("kvpush_rev", "systems")  # what parts may differ in
+# what parts may differ in; a system's GPU memory share too (a one-engine peer keeps the
+# bench's default while kvpush's engines split the GPU: each part states its own)
+FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization")
 
 
 class JoinError(ValueError):
@@ -88,6 +90,11 @@ def join(parts: list[Document]) -> Document:
         {**{k: part.meta.get(k) for k in PART_KEYS}, "ran": list(part.systems)} for part in parts
     ]
     meta["kvpush_rev"] = ",".join(dict.fromkeys(str(p.meta.get("kvpush_rev")) for p in parts))
+    shares = {s: parts[i].meta.get("gpu_memory_utilization") for s, i in owner.items()}
+    if len(set(shares.values())) > 1:  # by system and by part, as each ran
+        meta["gpu_memory_utilization"] = {s: shares[s] for s in systems}
+        for entry, part in zip(meta["parts"], parts, strict=True):
+            entry["gpu_memory_utilization"] = part.meta.get("gpu_memory_utilization")
     joined = Document(schema=first.schema, meta=meta)
     for name in systems:
         part = parts[owner[name]]

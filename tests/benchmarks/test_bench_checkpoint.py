@@ -200,6 +200,11 @@ def test_parts_of_one_run_join_and_other_runs_do_not(tmp_path: Path, committed: 
         ("vllm-pull", 1.0),
     ]
     assert len(joined.meta["parts"]) == 2
+    shared = part(("vllm-serve",), *given)
+    first.meta["gpu_memory_utilization"], shared.meta["gpu_memory_utilization"] = 0.4, 0.25
+    joined = join.join([first, shared])  # each part's GPU memory share, by system
+    assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.25, "vllm-pull": 0.4}
+    assert [p["gpu_memory_utilization"] for p in joined.meta["parts"]] == [0.4, 0.25]
     with pytest.raises(join.JoinError, match="duration_s"):
         join.join([first, part(("kvpush-push",), *given, "--duration", "5")])
     with pytest.raises(join.JoinError, match="capacity_given"):

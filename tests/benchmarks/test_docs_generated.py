@@ -205,12 +205,28 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
     assert not routing_report.write_doc(folder / "results.md", folder / "results.json", check=True)
 
 
-@pytest.mark.parametrize("card", ["h200", "h100"])
+@pytest.mark.parametrize("card", ["h200", "h100", "load-h100"])
 def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> None:
-    """docs/benchmarks/routing/<card>.md (issue 32 on one GPU: tests/gpu/h200.sh routing)."""
+    """docs/benchmarks/routing/<card>.md (issue 32 on one GPU: tests/gpu/h200.sh routing; its
+    load target: routed-load)."""
     from kvpush.benchmarks.serve import routing_report
 
     folder = DOCS / "benchmarks" / "routing"
     doc, data = folder / f"{card}.md", folder / f"{card}.json"
     assert not routing_report.write_doc(doc, data, check=True)
     assert routing_report.report_command(data, doc) in doc.read_text()
+
+
+def test_the_routed_load_run_is_the_join_of_its_parts() -> None:
+    """docs/benchmarks/routing/load-h100.json: kvpush-routed and vllm-serve, each run alone on
+    its own GPU memory share (tests/gpu/h200.sh routed-load), joined with --join."""
+    from kvpush.benchmarks.serve import join, results
+
+    folder = DOCS / "benchmarks" / "routing"
+    parts = [
+        folder / "load-h100" / "parts" / f"{name}.json" for name in ("kvpush-routed", "vllm-serve")
+    ]
+    joined = join.join([join.load_part(p) for p in parts])
+    committed = results.load(folder / "load-h100.json")
+    assert committed.points == joined.points and committed.meta == joined.meta
+    assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.4, "kvpush-routed": 0.25}

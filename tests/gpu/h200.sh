@@ -91,10 +91,10 @@ soak)
     ;;
 checksum)
     timeout 585 setsid python3 -m kvpush.services.cli bench serve --device cuda --model llama-8b \
-        --client vllm --repeats 1 --output-len 64 --tables random:2048 --qps auto \
-        --capacity 2048=19 --fractions 0.25,0.5 --concurrency 1 --duration "${DURATION:-10}" \
-        --min-requests 8 \
-        --time-budget 540 --systems kvpush-push,kvpush-push-unchecked \
+        --client vllm --repeats "${REPEATS:-1}" --output-len 64 --tables random:2048 --qps auto \
+        --capacity 2048=19 --fractions "${FRACTIONS:-0.25,0.5}" --concurrency 1 \
+        --duration "${DURATION:-10}" --min-requests "${MIN_REQUESTS:-8}" \
+        --time-budget "${BUDGET:-540}" --systems kvpush-push,kvpush-push-unchecked \
         --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
     echo "checksum rc=$?"; tail -8 "$out/checksum.log"
     tar czf "$out/checksum.tgz" -C "$out" checksum && rm -rf "$out/checksum"
