@@ -4,10 +4,13 @@ A sweep too long for one sitting (a lent GPU host gives 10 minutes a command) ru
 each a whole ``kvpush bench serve`` with its own systems and the same plan otherwise: tables,
 load points, repeats, and the prefill capacity given with ``--capacity`` (so every part derives
 the same rates and, from the point ids, the same prompts). ``join`` checks that the parts agree
-on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems and
-the revision and the GPU memory share, plus the given capacity), then takes each system's points from the last part that
-ran it (a part that re-ran a failed system replaces the earlier one). Each part's revision,
-date, systems and command line are kept under ``meta["parts"]``. A part cut short (killed at
+on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems, the
+revision and the GPU memory share, plus the given capacity), then takes each system's points
+from the last part that ran it (a part that re-ran a failed system replaces the earlier one).
+Each part's revision, date, systems and command line are kept under ``meta["parts"]``; parts
+of other GPU memory shares (a one-engine peer on the bench's default, kvpush's engines
+splitting the GPU) also keep theirs there, and ``meta["gpu_memory_utilization"]`` becomes the
+share by system. A part cut short (killed at
 its time limit) joins with the checkpoint it saved after each system (``load_part``).
 
 Threading model: pure functions.
