@@ -9,9 +9,10 @@ revision and the GPU memory share, plus the given capacity), then takes each sys
 from the last part that ran it (a part that re-ran a failed system replaces the earlier one).
 Each part's revision, date, systems and command line are kept under ``meta["parts"]``; parts
 of other GPU memory shares (a one-engine peer on the bench's default, kvpush's engines
-splitting the GPU) also keep theirs there, and ``meta["gpu_memory_utilization"]`` becomes the
-share by system. A part cut short (killed at
-its time limit) joins with the checkpoint it saved after each system (``load_part``).
+splitting the GPU: allowed between kvpush's systems and vLLM's, never among one kind) keep
+theirs there too, and ``meta["gpu_memory_utilization"]`` is then the share by system. A part
+cut short (killed at its time limit) joins with the checkpoint it saved after each system
+(``load_part``).
 
 Threading model: pure functions.
 """
@@ -93,9 +94,8 @@ def join(parts: list[Document]) -> Document:
         {**{k: part.meta.get(k) for k in PART_KEYS}, "ran": list(part.systems)} for part in parts
     ]
     meta["kvpush_rev"] = ",".join(dict.fromkeys(str(p.meta.get("kvpush_rev")) for p in parts))
-    shares = {s: parts[i].meta.get("gpu_memory_utilization") for s, i in owner.items()}
-    if len(set(shares.values())) > 1:  # by system and by part, as each ran
-        meta["gpu_memory_utilization"] = {s: shares[s] for s in systems}
+    meta["gpu_memory_utilization"] = _shares(parts, owner, systems)
+    if len({repr(p.meta.get("gpu_memory_utilization")) for p in parts}) > 1:  # each part's own
         for entry, part in zip(meta["parts"], parts, strict=True):
             entry["gpu_memory_utilization"] = part.meta.get("gpu_memory_utilization")
     joined = Document(schema=first.schema, meta=meta)
@@ -112,3 +112,26 @@ def join(parts: list[Document]) -> Document:
         joined.capacity.update(part.capacity)
     joined.meta.pop("cut_short", None)
     return joined
+
+
+def _shares(parts: list[Document], owner: dict[str, int], systems: list[str]) -> Any:
+    """The joined run's GPU memory share: one value when every system ran on the same, else the
+    share by system. Systems of one kind (kvpush's, or vLLM's peers) must share one: a pair
+    measured against each other (a flag on and off) on other shares is no comparison."""
+    shares: dict[str, Any] = {}
+    for name in systems:
+        share = parts[owner[name]].meta.get("gpu_memory_utilization")
+        if isinstance(share, dict):
+            raise JoinError(f"--join: {name}'s part is itself a join; join the runs it came from")
+        shares[name] = share
+    for kvpush in (True, False):
+        kind = {shares[s] for s in systems if s.startswith("kvpush") is kvpush}
+        if len(kind) > 1:
+            raise JoinError(
+                "--join: systems of one kind ran on other GPU memory shares ("
+                + ", ".join(
+                    f"{s}: {shares[s]}" for s in systems if s.startswith("kvpush") is kvpush
+                )
+                + ")"
+            )
+    return shares if len(set(shares.values())) > 1 else shares[systems[0]] if systems else None

@@ -200,11 +200,25 @@ def test_parts_of_one_run_join_and_other_runs_do_not(tmp_path: Path, committed: 
         ("vllm-pull", 1.0),
     ]
     assert len(joined.meta["parts"]) == 2
-    shared = part(("vllm-serve",), *given)
+    # a one-engine peer on the bench's share, kvpush's engines splitting the GPU: by system
+    shared = part(("kvpush-routed",), *given)
     first.meta["gpu_memory_utilization"], shared.meta["gpu_memory_utilization"] = 0.4, 0.25
-    joined = join.join([first, shared])  # each part's GPU memory share, by system
-    assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.25, "vllm-pull": 0.4}
+    joined = join.join([first, shared])
+    assert joined.meta["gpu_memory_utilization"] == {"kvpush-routed": 0.25, "vllm-pull": 0.4}
     assert [p["gpu_memory_utilization"] for p in joined.meta["parts"]] == [0.4, 0.25]
+    again = part(("vllm-pull",), *given)  # re-ran everything at 0.25: the join says so
+    again.meta["gpu_memory_utilization"] = 0.25
+    rejoined = join.join([first, again])
+    assert rejoined.meta["gpu_memory_utilization"] == 0.25
+    assert [p["gpu_memory_utilization"] for p in rejoined.meta["parts"]] == [0.4, 0.25]
+    peer = part(("vllm-serve",), *given)  # vllm-serve at 0.25 against vllm-pull at 0.4
+    peer.meta["gpu_memory_utilization"] = 0.25
+    with pytest.raises(join.JoinError, match="systems of one kind"):
+        join.join([first, peer])
+    pair = part(("kvpush-push",), *given)  # kvpush-push at 0.4 against kvpush-routed at 0.25
+    pair.meta["gpu_memory_utilization"] = 0.4
+    with pytest.raises(join.JoinError, match="systems of one kind"):
+        join.join([first, shared, pair])
     with pytest.raises(join.JoinError, match="duration_s"):
         join.join([first, part(("kvpush-push",), *given, "--duration", "5")])
     with pytest.raises(join.JoinError, match="capacity_given"):
