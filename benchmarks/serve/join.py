@@ -125,13 +125,8 @@ def _shares(parts: list[Document], owner: dict[str, int], systems: list[str]) ->
             raise JoinError(f"--join: {name}'s part is itself a join; join the runs it came from")
         shares[name] = share
     for kvpush in (True, False):
-        kind = {shares[s] for s in systems if s.startswith("kvpush") is kvpush}
-        if len(kind) > 1:
-            raise JoinError(
-                "--join: systems of one kind ran on other GPU memory shares ("
-                + ", ".join(
-                    f"{s}: {shares[s]}" for s in systems if s.startswith("kvpush") is kvpush
-                )
-                + ")"
-            )
+        kind = [s for s in systems if s.startswith("kvpush") is kvpush]
+        if len({shares[s] for s in kind}) > 1:
+            found = ", ".join(f"{s}: {shares[s]}" for s in kind)
+            raise JoinError(f"--join: systems of one kind ran on other GPU memory shares ({found})")
     return shares if len(set(shares.values())) > 1 else shares[systems[0]] if systems else None

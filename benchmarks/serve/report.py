@@ -94,8 +94,8 @@ def _meta_lines(document: Document) -> list[str]:
             planned, ran = part.get("systems") or [], part.get("ran", part.get("systems")) or []
             cut = [s for s in planned if s not in ran]
             systems = ", ".join(ran) + (f" (cut short before {', '.join(cut)})" if cut else "")
-            share = part.get("gpu_memory_utilization")
-            if isinstance(meta.get("gpu_memory_utilization"), dict) and share is not None:
+            share = part.get("gpu_memory_utilization")  # kept where the parts' shares differ
+            if share is not None:
                 systems += f" (--gpu-memory-utilization {share:g})"
             lines.append(
                 f"{n}. {part.get('date', '?')} at {part.get('kvpush_rev', '?')}, ran {systems}: "

@@ -15,8 +15,9 @@
 # engines (SYSTEMS=...: issue 29's benchmark, one system a command), engine-check / engine-kvpush
 # / engine-vllm-serve / engine-breakdown / engine-trace (the engine-mode probe,
 # tests/gpu/gpu_engine.py), checksum (issue 31: kvpush-push with and without --kv-checksum, random
-# 2048, c=1 and 0.25x / 0.5x, DURATION seconds of arrivals per loaded point, default 10 (engines
-# takes it too); checksum-cost: `kvpush bench checksum` on the GPU, TTFT=...; checksum-c1: c=1
+# 2048, c=1 and FRACTIONS (0.25,0.5) of capacity, DURATION seconds of arrivals per loaded point,
+# default 10 (engines takes it too), REPEATS (1), MIN_REQUESTS (8), BUDGET (540: start no system
+# past it)); checksum-cost: `kvpush bench checksum` on the GPU, TTFT=...; checksum-c1: c=1
 # only, MIN_REQUESTS (40) requests, REPEATS (1) repeats, systems in turn), soak (issue 31: the
 # chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of load and faults, default 8, cut to
 # fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue 32: kvpush-routed,
