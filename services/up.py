@@ -144,7 +144,7 @@ class Stack:
             argv += ["--device", cfg.device]
             gpu = gpus[n % len(gpus)] if cuda and gpus else None
             if gpu is not None:
-                argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share())]
+                argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share(n))]
             for key in up_config.PASSED_TO_WORKERS:
                 if getattr(cfg, key):
                     argv += [up_config.WORKER[key].flags[0], str(getattr(cfg, key))]

@@ -45,6 +45,8 @@ class UpConfig:
     device: str = "auto"  # passed to every worker (see kvpush prefill --help)
     gpus: str = "0"  # cuda: the GPUs the workers take in turn, e.g. "0,1"
     gpu_memory_utilization: float | None = None  # None: 0.85 split between a GPU's engines
+    prefill_gpu_memory_utilization: float | None = None  # None: gpu_memory_utilization's
+    decode_gpu_memory_utilization: float | None = None  # None: gpu_memory_utilization's
     mps: str = "off"  # cuda: "on": the engines run as clients of a private MPS daemon (mps.py)
     load_format: str | None = None
     dtype: str | None = None
@@ -93,18 +95,40 @@ class UpConfig:
         gpus = self.gpu_list()
         if not gpus:
             raise ConfigError("--gpus needs at least one GPU index, e.g. 0 or 0,1")
-        share, per_gpu = self.gpu_memory_utilization, self.engines_per_gpu()
-        if share is not None and share * per_gpu > 0.95:
-            raise ConfigError(
-                f"--gpu-memory-utilization {share} x {per_gpu} engines per GPU is over the GPU"
-            )
+        for gpu, shares in enumerate(self._shares_by_gpu()):
+            if sum(share for _, share in shares) > 0.95:
+                plan = " + ".join(f"{role} {share:g}" for role, share in shares)
+                raise ConfigError(
+                    f"GPU {gpus[gpu % len(gpus)]}'s engines take {plan} of its memory: over the"
+                    " GPU (--gpu-memory-utilization, --prefill-/--decode-gpu-memory-utilization)"
+                )
 
-    def engines_per_gpu(self) -> int:
-        return -(-(self.prefill + self.decode) // max(1, len(self.gpu_list())))
+    def roles(self) -> list[str]:
+        """Each worker's role, in the order ``up`` starts them (and deals out the GPUs)."""
+        return ["prefill"] * self.prefill + ["decode"] * self.decode
 
-    def gpu_share(self) -> float:
-        """Each engine's share of its GPU: as given, else 0.85 split between a GPU's engines."""
-        return self.gpu_memory_utilization or round(0.85 / self.engines_per_gpu(), 3)
+    def _shares_by_gpu(self) -> list[list[tuple[str, float]]]:
+        by_gpu: list[list[tuple[str, float]]] = [[] for _ in self.gpu_list()]
+        for n, role in enumerate(self.roles()):
+            by_gpu[n % len(by_gpu)].append((role, self.gpu_share(n)))
+        return by_gpu
+
+    def gpu_share(self, n: int) -> float:
+        """Worker ``n``'s share of its GPU's memory (``roles`` order): its role's, else
+        --gpu-memory-utilization, else 0.85 split between the GPU's engines with a decode engine
+        counted twice (D holds every running answer's KV; P a prompt's until it is pushed)."""
+        role = self.roles()[n]
+        given = (
+            self.prefill_gpu_memory_utilization
+            if role == "prefill"
+            else self.decode_gpu_memory_utilization
+        )
+        if given or self.gpu_memory_utilization:
+            return given or self.gpu_memory_utilization or 0.0
+        per_gpu = len(self.gpu_list()) or 1
+        neighbours = self.roles()[n % per_gpu :: per_gpu]  # every engine on worker n's GPU
+        weight = {"prefill": 1, "decode": 2}
+        return round(0.85 * weight[role] / sum(weight[r] for r in neighbours), 3)
 
     def gpu_list(self) -> list[int]:
         try:
@@ -208,9 +232,21 @@ SETTINGS: tuple[Setting, ...] = (
         ("--gpu-memory-utilization",),
         float,
         "cuda: each engine's share of its GPU's memory (default 0.85 split between the"
-        " engines on one GPU)",
+        " engines on one GPU, a decode engine counted twice: D holds every running answer's KV,"
+        " P a prompt's only until it is pushed)",
         "KVPUSH_GPU_MEMORY_UTILIZATION",
         metavar="F",
+    ),
+    *(
+        Setting(
+            f"{role}_gpu_memory_utilization",
+            (f"--{role}-gpu-memory-utilization",),
+            float,
+            f"cuda: each {role} engine's share of its GPU's memory, over --gpu-memory-utilization",
+            f"KVPUSH_UP_{role.upper()}_GPU_MEMORY_UTILIZATION",
+            metavar="F",
+        )
+        for role in ("prefill", "decode")
     ),
     Setting(
         "mps",

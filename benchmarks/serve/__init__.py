@@ -105,6 +105,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " aggregated engine gets twice that, the GPU share of the two)",
     )
     add(
+        "--decode-gpu-memory-utilization",
+        default=None,
+        type=float,
+        help="cuda: kvpush's decode engines' share of the GPU instead (kvpush up's"
+        " --decode-gpu-memory-utilization; default: --gpu-memory-utilization's). A D holds every"
+        " running answer's KV, a P a prompt's until it is pushed: where P and D share one GPU,"
+        " D's share is what a one-engine peer's KV is weighed against",
+    )
+    add(
         "--load-format",
         default=None,
         help="vLLM load format of every engine (default: dummy for a model built without weights,"

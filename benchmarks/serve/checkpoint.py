@@ -52,6 +52,7 @@ SAME_RUN_KEYS = (
     "client",
     "load_format",
     "gpu_memory_utilization",
+    "decode_gpu_memory_utilization",
 )
 
 

@@ -31,7 +31,8 @@ from kvpush.benchmarks.serve.results import Document
 PART_KEYS = ("date", "kvpush_rev", "systems", "argv")
 # what parts may differ in; a system's GPU memory share too (a one-engine peer keeps the
 # bench's default while kvpush's engines split the GPU: each part states its own)
-FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization")
+DECODE_SHARE = "decode_gpu_memory_utilization"  # kvpush's D engines' own share, if given
+FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization", DECODE_SHARE)
 
 
 class JoinError(ValueError):
@@ -98,6 +99,10 @@ def join(parts: list[Document]) -> Document:
     if len({repr(p.meta.get("gpu_memory_utilization")) for p in parts}) > 1:  # each part's own
         for entry, part in zip(meta["parts"], parts, strict=True):
             entry["gpu_memory_utilization"] = part.meta.get("gpu_memory_utilization")
+    meta.pop(DECODE_SHARE, None)  # kvpush's D engines' own share: where a part gave one
+    for entry, part in zip(meta["parts"], parts, strict=True):
+        if part.meta.get(DECODE_SHARE) is not None:
+            entry[DECODE_SHARE] = meta[DECODE_SHARE] = _decode_share(parts, owner, systems)
     joined = Document(schema=first.schema, meta=meta)
     for name in systems:
         part = parts[owner[name]]
@@ -112,6 +117,16 @@ def join(parts: list[Document]) -> Document:
         joined.capacity.update(part.capacity)
     joined.meta.pop("cut_short", None)
     return joined
+
+
+def _decode_share(parts: list[Document], owner: dict[str, int], systems: list[str]) -> Any:
+    """kvpush's decode engines' share (--decode-gpu-memory-utilization; None: the engines'
+    share): the same for every kvpush system, as ``_shares`` asks of a kind."""
+    found = {s: parts[owner[s]].meta.get(DECODE_SHARE) for s in systems if s.startswith("kvpush")}
+    if len(set(found.values())) > 1:
+        shown = ", ".join(f"{s}: {v}" for s, v in found.items())
+        raise JoinError(f"--join: kvpush's systems ran on other decode GPU memory shares ({shown})")
+    return next(iter(found.values()), None)
 
 
 def _shares(parts: list[Document], owner: dict[str, int], systems: list[str]) -> Any:

@@ -242,6 +242,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "device": ctx.device,
         "gpu": gpu_identity(ctx.gpu) if ctx.cuda else None,  # the card, as nvidia-smi names it
         "gpu_memory_utilization": ctx.gpu_memory_utilization if ctx.cuda else None,
+        "decode_gpu_memory_utilization": ctx.decode_gpu_memory_utilization if ctx.cuda else None,
         "load_format": ctx.load_format,
         "decode_core": ctx.decode_core,
         "python": platform.python_version(),
@@ -291,6 +292,7 @@ async def run(args: argparse.Namespace) -> int:
     ctx.device = resolve_device(getattr(args, "device", "cpu"))
     ctx.gpu = getattr(args, "gpu", 0)
     ctx.gpu_memory_utilization = getattr(args, "gpu_memory_utilization", 0.4)
+    ctx.decode_gpu_memory_utilization = getattr(args, "decode_gpu_memory_utilization", None)
     weights = ((models.read_stamp(model_dir) or {}).get("recipe") or {}).get("weights", True)
     ctx.load_format = getattr(args, "load_format", None) or ("auto" if weights else "dummy")
     if args.trace:

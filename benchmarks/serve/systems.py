@@ -62,6 +62,7 @@ class BenchContext:
     device: str = "cpu"  # cuda: every engine on ``gpu``, each with ``gpu_memory_utilization``
     gpu: int = 0
     gpu_memory_utilization: float = 0.4
+    decode_gpu_memory_utilization: float | None = None  # kvpush's D engines' (None: the above)
     load_format: str = "auto"
 
     @property
@@ -259,6 +260,9 @@ class KvpushSystem(System):
         if ctx.cuda:  # the workers' defaults: each engine as `vllm serve` runs it
             argv += ["--gpus", str(ctx.gpu)]
             argv += ["--gpu-memory-utilization", str(ctx.gpu_memory_utilization)]
+            if ctx.decode_gpu_memory_utilization is not None:
+                decode_share = str(ctx.decode_gpu_memory_utilization)
+                argv += ["--decode-gpu-memory-utilization", decode_share]
         else:  # as vLLM's servers on CPU (vllm_systems.py)
             argv += ["--max-num-seqs", "256"]
         if self.eager:

@@ -9,9 +9,10 @@
   ``prefill_start -> prefill_end`` for push and pull (tokens: the prompt less P's prefix hit
   when the request was routed); D's ``decode_received -> first_token`` for LOCAL (tokens: the
   prompt less the final chunk's ``num_cached_tokens``), only from a request routed with nothing
-  queued on D (its wait would be inside: ``wait_local`` charges waits already, and a service
-  time holding them counts each twice), and ``kv_landed -> first_token`` for push and pull
-  (step time);
+  queued (``wait_local`` charges waits already) and nothing decoding on D, and ``kv_landed ->
+  first_token`` for push and pull (step time); D's **join time**: what each request decoding on
+  D added to a LOCAL prompt's time past its compute (routed with nothing queued: ``(time -
+  compute) / running``, at least 0; until measured, the step time);
 - the **KV transfer**: bytes/s and bytes per token from each ``KvPushed`` (``bytes / push_ms``,
   ``bytes / num_tokens``), the share of a push that is not hidden behind P's compute (its
   ``timing``: ``(kv_sent - prefill_end) / push_ms``), and for pull the READ of a finished
@@ -34,7 +35,7 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
                       + steps(D)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
-    wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * step_ms(D)
+    wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * join_ms(D)
                       (load - running: D's LOCAL requests not past their first token, by
                       its heartbeat's queue_depth and what the gateway saw since (sent,
                       started: ``worker_registry.WorkerState.waiting``); a push/pull request
@@ -43,21 +44,19 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
     transfer(n)     = n * bytes_per_token / bytes_per_s
 
 D needs only the blocks it lacks: D's connector announces (push) or READs (pull) the prompt's
-tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``,
-``get_num_new_matched_tokens`` reports ``prompt - local hit`` as the external tokens and
-``update_state_after_alloc`` names only those blocks), so a prefix hit on D shrinks the
-transfer: that is prefix-partial push. P computes what its own prefix cache lacks. A LOCAL
-request waits behind D's prefills (its LOCAL requests not past their first token, and those sent
-since D's heartbeat) each a service time, and behind D's other requests (``running``: decoding,
-or waiting for their KV) each a step: vLLM batches a new prompt with the running decodes, it
-does not queue it behind them (charged a service time each, a D streaming four answers read as
-four prefills ahead and the LOCAL estimate of a reused prefix came out far above its TTFT on
-the CPU routing benchmark). A disaggregated request waits on P's load and, on D, for
-D's waiting LOCAL prefills only past the time P takes (they run while P computes: vLLM runs
-them before the request's first step, and a push landing during them waits) and for steps: a
-D busy with prefills and an idle P favour a transfer, yet a push to a D with more prefills
-queued than P's work is no cheaper than they are (counted as a step each, as before, the push
-estimate was under the TTFT at c=4 on the CPU routing benchmark: 251 against 392 ms).
+tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``), so a prefix hit
+on D shrinks the transfer: that is prefix-partial push. P computes what its own prefix cache
+lacks. A LOCAL request waits behind D's prefills (its LOCAL requests not past their first
+token, and those sent since D's heartbeat) each a service time, and D's other requests
+(``running``: decoding, or waiting for their KV) each add a join time: vLLM batches a new
+prompt with the running decodes, it does not queue it behind them. (A service time each read a
+D streaming four answers as four prefills ahead on the CPU routing benchmark; a step each put
+LOCAL's estimate at 2-4x its TTFT under load on one GPU, docs/benchmarks/routing/load-h100.md,
+and the router pushed to a P sharing D's GPU: the slowest answers.) A disaggregated request
+waits on P's load and, on D, for D's waiting LOCAL prefills only past the time P takes (they run
+while P computes, and a push landing during them waits) and for steps: a D busy with prefills
+and an idle P favour a transfer, yet a push to a D with more prefills queued than P's work is
+no cheaper than they are.
 
 The estimate splits into a P part and a D share (``prefill_parts``; ``local_parts`` or
 ``transfer_shares``, each over the workers' ``view``, load and prompt tokens missing from their
@@ -129,6 +128,7 @@ class WorkerCosts:
     tokens_per_s: Ewma = field(default_factory=lambda: Ewma(PRIOR_PREFILL_TOKENS_PER_S))
     service_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_SERVICE_MS))
     step_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))
+    join_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))  # unmeasured: step_ms
 
 
 class Candidate(NamedTuple):
@@ -188,6 +188,7 @@ class WorkerView(NamedTuple):
     ms_per_token: float
     service_ms: float
     step_ms: float
+    join_ms: float  # what each decoding request adds to a LOCAL prompt's first step
 
 
 class CostModel:
@@ -214,14 +215,16 @@ class CostModel:
         found = self._views.get(worker_id)
         if found is not None:
             return found
-        own, fleet = self.workers.get(worker_id), self.fleet
-        rate = own.tokens_per_s if own is not None and own.tokens_per_s.samples else None
-        service = own.service_ms if own is not None and own.service_ms.samples else None
-        step = own.step_ms if own is not None and own.step_ms.samples else None
+        own = self.workers.get(worker_id)
+        rate, service, step, join = (  # its own where measured, else the fleet's
+            own_ewma
+            if own and (own_ewma := getattr(own, name)).samples
+            else getattr(self.fleet, name)
+            for name in ("tokens_per_s", "service_ms", "step_ms", "join_ms")
+        )
+        step_ms = step.value  # the join time until one is measured
         found = WorkerView(
-            1000.0 / (rate or fleet.tokens_per_s).value,
-            (service or fleet.service_ms).value,
-            (step or fleet.step_ms).value,
+            1000.0 / rate.value, service.value, step_ms, join.value if join.samples else step_ms
         )
         if len(self._views) >= self.workers.limit:
             self._views.clear()
@@ -267,7 +270,7 @@ class CostModel:
         return [  # (load - run if load > run else 0): max(0, load - run), without a call per D
             base
             + (load - run if load > run else 0) * w.service_ms
-            + run * w.step_ms
+            + run * w.join_ms
             + tokens * w.ms_per_token
             for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
         ]
@@ -299,7 +302,7 @@ class CostModel:
             terms["overhead"] = self.local_overhead_ms.value
             waiting = max(0, c.decode_load - c.decode_running)  # as decode_parts counts it
             terms["wait_d"] = self.wait_ms(c.decode_id, waiting)
-            terms["decoding_d"] = c.decode_running * self.view(c.decode_id).step_ms
+            terms["decoding_d"] = c.decode_running * self.view(c.decode_id).join_ms
             terms["compute_d"] = self.compute_ms(c.decode_id, c.prompt_tokens - c.decode_hit)
         else:
             terms["handoff"] = self.handoff_ms.value
@@ -333,6 +336,18 @@ class CostModel:
             if tokens > 0:
                 costs.tokens_per_s.update(tokens * 1000.0 / ms)
 
+    def _joined(
+        self, worker_id: str, tokens: int, running: int, start_ns: int, end_ns: int
+    ) -> None:
+        """D computed ``tokens`` prompt tokens of a LOCAL request beside ``running`` requests
+        between the two instants: the time past the compute, per running request, is a join."""
+        if not start_ns or end_ns <= start_ns:
+            return
+        over = (end_ns - start_ns) / 1e6 - self.compute_ms(worker_id, tokens)
+        sample = max(0.0, over) / running
+        self._worker(worker_id).join_ms.update(sample)
+        self.fleet.join_ms.update(sample)
+
     def _stepped(self, worker_id: str, start_ns: int, end_ns: int) -> None:
         """D's first step after the KV landed took ``start_ns -> end_ns``."""
         if start_ns and end_ns > start_ns:
@@ -353,16 +368,20 @@ class CostModel:
         timing: Timing | None,
         published_ns: int = 0,
         queued: int = 0,
+        running: int = 0,
     ) -> None:
         """A request finished: learn from its ``timing`` (the last TokenChunk's). ``cached_tokens``
         is that chunk's ``num_cached_tokens``; the hits are what the index said at routing, and
-        ``queued`` D's requests waiting for a prefill then (LOCAL: a wait that teaches no rate)."""
+        ``queued`` D's requests waiting for a prefill then (LOCAL: a wait that teaches no rate),
+        ``running`` those past their first token (LOCAL: what the join time is learned from)."""
         if timing is None:
             return
         t = timing
         if mode is TransferMode.LOCAL or prefill_id is None:
             computed = prompt_tokens - (cached_tokens or 0)
-            if not queued:
+            if not queued and running:  # beside D's decoding requests: their join time
+                self._joined(decode_id, computed, running, t.decode_received, t.first_token)
+            elif not queued:
                 self._prefilled(decode_id, computed, t.decode_received, t.first_token)
             if published_ns and t.decode_received:  # clocks of two hosts: at least 0
                 self.local_overhead_ms.update(max(0, t.decode_received - published_ns) / 1e6)

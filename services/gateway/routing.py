@@ -239,6 +239,7 @@ class Router:
             timing=timing,
             published_ns=published_ns,
             queued=max(0, chosen.decode_load - chosen.decode_running) if chosen else 0,
+            running=chosen.decode_running if chosen else 0,
         )
 
     def started(self, route: Route) -> None:

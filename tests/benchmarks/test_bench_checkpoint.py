@@ -211,6 +211,16 @@ def test_parts_of_one_run_join_and_other_runs_do_not(tmp_path: Path, committed: 
     rejoined = join.join([first, again])
     assert rejoined.meta["gpu_memory_utilization"] == 0.25
     assert [p["gpu_memory_utilization"] for p in rejoined.meta["parts"]] == [0.4, 0.25]
+    own_d = part(("kvpush-routed",), *given)  # kvpush's D on a share of its own: stated
+    own_d.meta["gpu_memory_utilization"], own_d.meta["decode_gpu_memory_utilization"] = 0.25, 0.4
+    with_d = join.join([first, own_d])
+    assert with_d.meta["decode_gpu_memory_utilization"] == 0.4
+    assert [p.get("decode_gpu_memory_utilization") for p in with_d.meta["parts"]] == [None, 0.4]
+    assert "decode_gpu_memory_utilization" not in joined.meta
+    plain_d = part(("kvpush-push",), *given)  # another kvpush system, its D on the engines'
+    plain_d.meta["gpu_memory_utilization"] = 0.25
+    with pytest.raises(join.JoinError, match="decode GPU memory shares"):
+        join.join([first, own_d, plain_d])
     peer = part(("vllm-serve",), *given)  # vllm-serve at 0.25 against vllm-pull at 0.4
     peer.meta["gpu_memory_utilization"] = 0.25
     with pytest.raises(join.JoinError, match="systems of one kind"):

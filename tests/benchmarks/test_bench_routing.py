@@ -71,6 +71,10 @@ def test_routing_systems_are_2p1d_on_one_gpu(tmp_path: Path) -> None:
         argv = KVPUSH_SYSTEMS[name]().argv(ctx, 8126)
         assert (_value(argv, "--prefill"), _value(argv, "--decode")) == ("2", "1"), name
         assert _value(argv, "--gpus") == "3" and _value(argv, "--gpu-memory-utilization") == "0.25"
+        assert "--decode-gpu-memory-utilization" not in argv  # D: the engines' share
+    ctx.decode_gpu_memory_utilization = 0.4  # --decode-gpu-memory-utilization: D's own
+    argv = KVPUSH_SYSTEMS["kvpush-routed"]().argv(ctx, 8126)
+    assert _value(argv, "--decode-gpu-memory-utilization") == "0.4"
 
 
 def test_least_loaded_system_keeps_the_old_threshold(tmp_path: Path) -> None:

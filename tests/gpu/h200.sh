@@ -24,8 +24,8 @@
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
 # prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
 # routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
-# load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x). Every step first
-# unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
+# load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x; P_SHARE,
+# D_SHARE). Every step first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
 # results go under OUT.
 set -u
 step=${1:?STEP}
@@ -122,10 +122,13 @@ routed-load)
     # issue 32's load target: kvpush-routed against vllm-serve on fresh random 2048-token
     # prompts, c=1 and 0.25x / 0.5x / 1.0x of the 8B shape's prefill capacity: P99 TTFT 1.1x of
     # vllm-serve's or less up to its knee. One bench run per system (join them with `kvpush
-    # bench serve --join`): kvpush-routed's three engines (2P1D) share the GPU at 0.25 each;
-    # vllm-serve keeps the bench's default share (its one engine 0.8, as in issue 29's runs)
+    # bench serve --join`): kvpush-routed's three engines (2P1D) share the GPU, P_SHARE (0.25)
+    # each, D D_SHARE if given (else P_SHARE); vllm-serve keeps the bench's default share (its
+    # one engine 0.8, as in issue 29's runs)
     for name in ${SYSTEMS:-kvpush-routed vllm-serve}; do
-        share=(); [ "$name" = vllm-serve ] || share=(--gpu-memory-utilization 0.25)
+        share=(); [ "$name" = vllm-serve ] || share=(--gpu-memory-utilization "${P_SHARE:-0.25}")
+        [ "$name" = vllm-serve ] || [ -z "${D_SHARE:-}" ] \
+            || share+=(--decode-gpu-memory-utilization "$D_SHARE")
         timeout 285 setsid python3 -m kvpush.services.cli bench serve --device cuda \
             --model llama-8b --client vllm --repeats 1 --output-len 64 --tables random:2048 \
             --qps auto --capacity 2048=19 --fractions 0.25,0.5,1.0 --concurrency 1 \

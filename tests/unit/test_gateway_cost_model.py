@@ -147,6 +147,28 @@ def test_a_local_request_that_queued_teaches_no_rate_nor_service_time() -> None:
     assert model.wait_ms("d0", 1) == pytest.approx(100.0)
 
 
+def test_a_local_request_beside_decoding_ones_teaches_their_join_time_not_the_rate() -> None:
+    """vLLM batches a prompt with D's running decodes: what they add is learned per running
+    request (unmeasured, a step each), and the prefill rate stays the one measured alone."""
+    model = CostModel()
+    unmeasured = model.estimate(Candidate(LOCAL, "d0", 3, 0, 1000, decode_running=3))
+    assert unmeasured.terms["decoding_d"] == pytest.approx(3 * cost_model.PRIOR_STEP_MS)
+    model.learn(LOCAL, None, "d0", 1000, cached_tokens=0, timing=local_timing(1, 100))
+    # beside 3 decoding requests the same prompt took 112 ms: 4 ms more per request
+    model.learn(LOCAL, None, "d0", 1000, cached_tokens=0, timing=local_timing(1, 112), running=3)
+    assert model.compute_ms("d0", 1000) == pytest.approx(100.0)
+    assert model.wait_ms("d0", 1) == pytest.approx(100.0)
+    assert model.view("d0").join_ms == pytest.approx(4.0)
+    assert model.view("d1").join_ms == pytest.approx(4.0)  # unmeasured: the fleet's
+    assert model.view("d0").step_ms == pytest.approx(cost_model.PRIOR_STEP_MS)
+    busy = model.estimate(Candidate(LOCAL, "d0", 3, 0, 1000, decode_running=3))
+    assert busy.terms["decoding_d"] == pytest.approx(12.0)
+    assert busy.total_ms == pytest.approx(sum(busy.terms.values()))
+    # faster than the compute alone (a cached prefix the index missed): a join of 0, not less
+    model.learn(LOCAL, None, "d1", 1000, cached_tokens=0, timing=local_timing(1, 50), running=2)
+    assert model.view("d1").join_ms == 0.0
+
+
 def test_a_request_without_timing_teaches_nothing() -> None:
     model = CostModel()
     model.learn(PUSH, "p0", "d0", 100, timing=None)
@@ -391,6 +413,20 @@ def test_the_router_learns_from_a_finished_route(registry: WorkerRegistry) -> No
     assert route.explanation.prefill_prefix_tokens == 512
     router.learn(route, 1024, None, push_timing(51))
     assert router.costs.compute_ms(route.prefill_id, 512) == pytest.approx(51.0)
+
+
+def test_the_router_teaches_a_local_route_s_join_time_from_d_s_running_requests(
+    registry: WorkerRegistry,
+) -> None:
+    registry.observe(beat(D, "d0", in_flight=2))  # two answers decoding, none queued
+    router = routed(registry, {"d0": 4096})
+    warm_up(router.costs)
+    route = router.route(list(range(4000)))
+    assert route.mode is LOCAL and route.decode_id == "d0" and route.explanation is not None
+    assert route.explanation.choice.candidate.decode_running == 2
+    router.learn(route, 4000, 3999, local_timing(1, 9))
+    d0 = router.costs.workers["d0"]
+    assert (d0.join_ms.samples, d0.service_ms.samples) == (1, 0)
 
 
 def test_a_zero_local_threshold_still_means_never_local_unasked(registry: WorkerRegistry) -> None:

@@ -171,6 +171,23 @@ def test_a_reasoning_parser_reaches_the_engine_and_kvpush_up_gives_it_to_gateway
     assert parsed.vllm_args == ("--enable-auto-tool-choice", "--reasoning-parser=qwen3")
 
 
+def test_engines_sharing_a_gpu_split_its_memory_with_decode_counted_twice() -> None:
+    def shares(*flags: str) -> list[float]:
+        config = UpConfig.from_args(parse(UP_SETTINGS, "--device", "cuda", *flags), {})
+        return [config.gpu_share(n) for n in range(len(config.roles()))]
+
+    assert shares() == [0.283, 0.567]  # 1P1D on GPU 0: D holds every answer's KV
+    assert shares("--prefill", "2") == [0.212, 0.212, 0.425]
+    assert shares("--gpus", "0,1") == [0.85, 0.85]  # an engine per GPU: each its 0.85
+    assert shares("--gpu-memory-utilization", "0.3") == [0.3, 0.3]
+    assert shares("--prefill", "2", "--gpu-memory-utilization", "0.25") == [0.25, 0.25, 0.25]
+    given = ("--prefill", "2", "--gpu-memory-utilization", "0.25")
+    assert shares(*given, "--decode-gpu-memory-utilization", "0.4") == [0.25, 0.25, 0.4]
+    assert shares("--prefill-gpu-memory-utilization", "0.2") == [0.2, 0.567]
+    with pytest.raises(ConfigError, match=r"prefill 0.25 \+ prefill 0.25 \+ decode 0.5"):
+        shares(*given, "--decode-gpu-memory-utilization", "0.5")
+
+
 def test_gpu_plans_that_cannot_run_are_refused_before_anything_starts(tmp_path) -> None:
     with pytest.raises(ConfigError, match="on CUDA is not supported yet"):
         UpConfig.from_args(parse(UP_SETTINGS, "--device", "cuda", "--tp", "2"), {})
