@@ -51,7 +51,7 @@ token, and those sent since D's heartbeat) each a service time, and D's other re
 (``running``: decoding, or waiting for their KV) each add a join time: vLLM batches a new
 prompt with the running decodes, it does not queue it behind them. (A service time each read a
 D streaming four answers as four prefills ahead on the CPU routing benchmark; a step each put
-LOCAL's estimate at 2-4x its TTFT under load on one GPU, docs/benchmarks/routing/load-h100.md,
+LOCAL's estimate far above its TTFT under load on one GPU, docs/benchmarks/routing/load-h100.md,
 and the router pushed to a P sharing D's GPU: the slowest answers.) A disaggregated request
 waits on P's load and, on D, for D's waiting LOCAL prefills only past the time P takes (they run
 while P computes, and a push landing during them waits) and for steps: a D busy with prefills
