@@ -370,6 +370,9 @@ class WorkerHeartbeat(_Message):
     sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
     # the worker's lease: silent this long, it is gone (0: the watcher's default)
     lease_ms: Count = 0
+    # the GPU its engine runs on, "<host>/gpu<index>" ("": none, a CPU engine): workers on one
+    # GPU take turns on its compute (the router does not overlap their prefills)
+    gpu: Annotated[str, Meta(max_length=256)] = ""
 
 
 MAX_CACHE_HASHES: Final = 4096  # stored + removed hashes of one CacheEvents message

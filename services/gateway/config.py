@@ -103,8 +103,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("--local-threshold",),
         int,
         "prompts shorter than this many tokens are served by D alone (default 256; 0: never);"
-        " with --routing routed only until the cost model has measurements (cold start), except"
-        " that 0 still means never (unless a request asks for local)",
+        " with --routing routed only until the cost model has measurements (cold start, when an"
+        " idle D also serves a longer prompt alone), except that 0 still means never (unless a"
+        " request asks for local)",
     ),
     Setting(
         "first_token",

@@ -33,6 +33,8 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
                                     + push_tail_share * transfer(prompt - hit(D)),
                                     waiting(D) * service_ms(D))
                       + steps(D)
+                      (P on D's own GPU, heartbeats' ``gpu``: the sum, not the max: the
+                      two take turns on one GPU's compute)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * join_ms(D)
@@ -143,6 +145,7 @@ class Candidate(NamedTuple):
     prefill_load: int = 0
     prefill_hit: int = 0
     decode_running: int = 0  # D's requests past their first token (inside decode_load)
+    shared_gpu: bool = False  # P and D on one GPU: D's waiting prefills and P's take turns
 
     @property
     def label(self) -> str:
@@ -172,6 +175,11 @@ class TransferShare(NamedTuple):
     def total(self, prefill_part: float) -> float:
         part = prefill_part + self.tail
         return self.fixed + (self.wait if self.wait > part else part)  # max(part, wait)
+
+    def in_turns(self, prefill_part: float) -> float:
+        """``total`` for a P on D's own GPU: D's waiting prefills and P's part take turns on
+        its compute instead of overlapping."""
+        return self.fixed + prefill_part + self.tail + self.wait
 
     @staticmethod
     def totals(shares: Iterable[TransferShare], prefill_part: float) -> list[float]:
@@ -313,7 +321,7 @@ class CostModel:
             # D's waiting prefills, past what P and the tail take (TransferShare.total)
             waiting = self.wait_ms(c.decode_id, max(0, c.decode_load - c.decode_running))
             overlapped = terms["wait_p"] + terms["compute_p"] + terms["transfer"]
-            terms["wait_d"] = max(0.0, waiting - overlapped)
+            terms["wait_d"] = waiting if c.shared_gpu else max(0.0, waiting - overlapped)
             terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_running)
         return Estimate(c, sum(terms.values()), terms)
 

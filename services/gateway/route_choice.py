@@ -140,8 +140,10 @@ def choose(
     d_loads: list[int] = []
     d_running: list[int] = []
     d_keys: list[_DecodeKey] = []
+    d_gpus: list[str] = []  # the GPU each runs on ("": CPU): a P on D's takes turns with it
     for d in decodes:
         load, running = d.load_running()
+        d_gpus.append(d.heartbeat.gpu)
         d_ids.append(d.worker_id)
         d_loads.append(load)
         d_running.append(running)
@@ -152,6 +154,7 @@ def choose(
     p_loads: list[int] = []
     p_hits: list[int] = []
     p_keys: list[_PrefillKey] = []
+    p_gpus: list[str] = []
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
     # LOCAL's P key is () and its P index -1
@@ -166,6 +169,7 @@ def choose(
         if not p_ranked:
             for p in prefills:
                 load = p.load
+                p_gpus.append(p.heartbeat.gpu)
                 p_ids.append(p.worker_id)
                 p_loads.append(load)
                 p_keys.append((load, p.last_pick))
@@ -178,12 +182,24 @@ def choose(
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
         (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
         totals = TransferShare.totals(shares, cheapest_p)
+        if gpu := p_gpus[cheapest_j]:  # the D on its GPU: their prefills take turns
+            for i in (i for i, d_gpu in enumerate(d_gpus) if d_gpu == gpu):
+                totals[i] = shares[i].in_turns(cheapest_p)
         d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
         # the cheapest P's pairs have their totals already; the other P's are computed
         ranked += [(cost, rank, d_key, cheapest_key, cheapest_j, i) for cost, d_key, i in d_ranked]
         ranked += [
-            (shares[i].total(p_cost), rank, d_key, p_key, j, i)
+            (
+                shares[i].in_turns(p_cost)
+                if p_gpus[j] and p_gpus[j] == d_gpus[i]
+                else shares[i].total(p_cost),
+                rank,
+                d_key,
+                p_key,
+                j,
+                i,
+            )
             for p_cost, p_key, j in other_ps
             for _, d_key, i in d_ranked
         ]
@@ -211,6 +227,7 @@ def choose(
                 p_loads[j],
                 p_hits[j],
                 decode_running=d_running[i],
+                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == d_gpus[i],
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))

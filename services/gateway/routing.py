@@ -11,7 +11,8 @@
   ``cost_model``), given each worker's prefix-cache hit on the prompt (``PrefixLookup``, when
   the gateway has an index) and its load. Candidates: the override's mode alone when the request
   sets one; LOCAL alone with no live P; while the cost model is cold, the least-loaded policy's
-  mode (``--local-threshold`` is the cold-start rule); else LOCAL on every D (unless
+  mode (``--local-threshold`` is the cold-start rule), but LOCAL while a D is idle (it waits for
+  nothing: a hand-off only adds, as the warm model would say); else LOCAL on every D (unless
   ``local_threshold`` is 0: never LOCAL unasked, in both policies) and the deployment's mode on
   every (P, D) pair. Ties go to the least-loaded worker. The route carries
   a ``RouteExplanation`` (trace attributes, metrics). ``learn`` feeds finished requests back.
@@ -155,23 +156,24 @@ class Router:
         started = time.perf_counter_ns()
         prompt_tokens = prompt if isinstance(prompt, int) else len(prompt)
         prefills = self.registry.alive(WorkerRole.PREFILL)
+        if requested is not None and requested is not TransferMode.LOCAL and not prefills:
+            raise NoWorkerError(WorkerRole.PREFILL)
+        decodes = self.registry.alive(WorkerRole.DECODE, tick=False)  # ticked just now
+        if not decodes:
+            raise NoWorkerError(WorkerRole.DECODE)
         if requested is not None:
-            if requested is not TransferMode.LOCAL and not prefills:
-                raise NoWorkerError(WorkerRole.PREFILL)
             modes, reason = (requested,), RouteReason.OVERRIDE
         elif not prefills:
             modes, reason = (TransferMode.LOCAL,), RouteReason.ONLY_LOCAL
-        elif not self.costs.warm:
+        elif not self.costs.warm:  # the fixed rule, and an idle D computes a prompt itself
             short = prompt_tokens < self.local_threshold
-            modes = (TransferMode.LOCAL if short else self.default_mode,)
+            idle = self.local_threshold > 0 and any(d.load == 0 for d in decodes)
+            modes = (TransferMode.LOCAL if short or idle else self.default_mode,)
             reason = RouteReason.COLD
         elif self.local_threshold == 0:  # never LOCAL unless asked: pick the pair by cost
             modes, reason = (self.default_mode,), RouteReason.COST
         else:
             modes, reason = (TransferMode.LOCAL, self.default_mode), RouteReason.COST
-        decodes = self.registry.alive(WorkerRole.DECODE, tick=False)  # ticked just now
-        if not decodes:
-            raise NoWorkerError(WorkerRole.DECODE)
         transfer = modes != (TransferMode.LOCAL,)
         hits: dict[str, int] = {}
         if self.prefix is not None and self.prefix.block_size > 0 and not isinstance(prompt, int):

@@ -89,6 +89,18 @@ class WorkerConfig:
     trace_file: str | None = None  # JSON-lines span file (also: OTEL_* variables)
 
     @property
+    def gpu_identity(self) -> str:
+        """The GPU this worker's engine runs on as heartbeats name it, ``<host>/gpu<index>``
+        (the index past ``CUDA_VISIBLE_DEVICES``), "" on CPU."""
+        if resolve_device(self.device) != "cuda":
+            return ""
+        index = str(self.gpu or 0)
+        visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        if visible != [""] and int(index) < len(visible):
+            index = visible[int(index)]
+        return f"{socket.gethostname()}/gpu{index}"
+
+    @property
     def metrics_served(self) -> bool:
         """Its engine metrics are served (``--metrics-port`` or ``--metrics-fd``): stats on."""
         return self.metrics_port is not None or self.metrics_fd is not None

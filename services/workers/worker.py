@@ -101,6 +101,7 @@ class Worker:
         self.host = engine_host(config.engine_config())
         self.side_channel = ""
         self.side_channels: list[str] = []  # every TP rank's, by rank (side_channel: rank 0's)
+        self.gpu = config.gpu_identity  # heartbeats name it: workers on one GPU take turns
         self._bus: Bus | None = None
         self._registry: Registry | None = None  # None without JetStream
         self._metrics: Any = None  # --metrics-port / --metrics-fd: the HTTP server
@@ -369,6 +370,7 @@ class Worker:
             draining=self._draining,
             sends_first_token=self.role is WorkerRole.PREFILL,  # prefill.py: FirstToken
             lease_ms=int(self.config.lease_s * 1000),
+            gpu=self.gpu,
         )
 
     async def registry_entries(self, role: WorkerRole) -> list[WorkerHeartbeat]:

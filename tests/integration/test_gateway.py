@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpush.connector.bus import Bus
 from kvpush.schemas.messages import FinishReason, TransferMode, WorkerRole
-from kvpush.services.gateway.routing import DECODE_ONLY
+from kvpush.services.gateway.routing import DECODE_ONLY, RoutingPolicy
 from tests.integration.gateway_fakes import (
     FakeWorker,
     Stack,
@@ -119,7 +119,8 @@ async def test_token_id_prompts_are_sent_verbatim_and_checked_against_the_vocab(
 async def test_short_prompts_go_local_long_ones_use_the_mode_and_requests_may_override(
     stack: StackFactory,
 ) -> None:
-    s = await stack(local_threshold=8)
+    # the fixed rule (routed's while it is cold and no D is idle: test_gateway_cost_model.py)
+    s = await stack(local_threshold=8, routing=RoutingPolicy.LEAST_LOADED)
     long_prompt = list(range(1, 21))
     for body in (
         {"prompt": "hi"},

@@ -198,8 +198,8 @@ def test_a_prefix_hit_on_one_decode_worker_wins(registry: WorkerRegistry) -> Non
     route = router.route(list(range(4100)))
     assert route.decode_id == "d2"
     explained = route.explanation
-    assert explained is not None and explained.reason is RouteReason.COLD  # the rule: PUSH
-    assert route.mode is PUSH and explained.decode_prefix_tokens == 4096
+    assert explained is not None and explained.reason is RouteReason.COLD  # an idle D: LOCAL
+    assert route.mode is LOCAL and explained.decode_prefix_tokens == 4096
     warm_up(router.costs)
     route = router.route(list(range(4100)))
     assert route.decode_id == "d2" and route.mode is LOCAL  # D has it: 4 tokens to compute
@@ -209,6 +209,56 @@ def test_a_prefix_hit_on_one_decode_worker_wins(registry: WorkerRegistry) -> Non
     assert all(
         a.total_ms >= route.explanation.choice.total_ms for a in route.explanation.alternatives
     )
+
+
+def test_while_cold_an_idle_decode_worker_computes_a_long_prompt_and_a_busy_one_does_not(
+    registry: WorkerRegistry,
+) -> None:
+    router = routed(registry)
+    route = router.route(list(range(4100)))  # over --local-threshold, but D waits for nothing
+    assert route.mode is LOCAL and route.explanation is not None
+    assert route.explanation.reason is RouteReason.COLD
+    for name in ("d0", "d1", "d2"):
+        registry.observe(beat(D, name, in_flight=1))
+    route = router.route(list(range(4100)))  # every D busy: the fixed rule's push
+    assert route.mode is PUSH and route.explanation is not None
+    assert route.explanation.reason is RouteReason.COLD
+    assert router.route(list(range(100))).mode is LOCAL  # under the threshold: LOCAL
+    never = Router(registry, PUSH, 0, prefix=FakePrefix({}))  # 0: never LOCAL unasked
+    registry.observe(beat(D, "d0"))
+    assert never.route(list(range(4100))).mode is PUSH
+
+
+def test_a_p_on_d_s_own_gpu_takes_turns_with_d_s_waiting_prefills(
+    registry: WorkerRegistry,
+) -> None:
+    """On one GPU P's prefill does not overlap D's queued ones: a push pays them in full."""
+    router = routed(registry)
+    warm_up(router.costs, tokens_per_ms=10)  # 4000 tokens: 400 ms on P
+    for _ in range(40):  # a fast transfer: 100 kB a token at 40 GB/s
+        router.costs.observe_push(pushed(4000 * 100_000, 10.0, 4000))
+    for _ in range(3):  # D prefills alone 4000 tokens in 400 ms too
+        router.costs.learn(LOCAL, None, "d0", 4000, timing=local_timing(1, 400))
+    for name in ("d1", "d2"):
+        registry.observe(beat(D, name, in_flight=8, queue_depth=8))  # far busier
+    registry.observe(beat(D, "d0", in_flight=1, queue_depth=1))  # one prefill queued
+    apart = router.route(list(range(4000)))
+    assert apart.mode is PUSH and apart.decode_id == "d0"  # it overlaps D's queued prefill
+    assert apart.explanation is not None
+    assert apart.explanation.choice.terms["wait_d"] == 0.0
+    for name in ("p0", "p1"):
+        registry.observe(beat(P, name, sends_first_token=True, gpu="h/gpu0"))
+    for name, queued in (("d0", 1), ("d1", 8), ("d2", 8)):  # the same load, on that GPU
+        registry.observe(beat(D, name, in_flight=queued, queue_depth=queued, gpu="h/gpu0"))
+    shared = router.route(list(range(4000)))
+    assert shared.explanation is not None
+    assert shared.mode is LOCAL, shared.explanation  # in turns the push is no cheaper
+    pushes = [e for e in shared.explanation.alternatives if e.candidate.mode is PUSH]
+    assert pushes and all(e.candidate.shared_gpu for e in pushes)
+    for found in pushes:  # the O(P + D) totals and the full estimate agree
+        full = router.costs.estimate(found.candidate)
+        assert full.total_ms == pytest.approx(found.total_ms)
+        assert full.terms["wait_d"] > 0
 
 
 def test_a_long_prompt_with_an_idle_prefill_worker_goes_push(registry: WorkerRegistry) -> None:
@@ -408,7 +458,7 @@ def test_least_loaded_policy_is_todays_rule_whatever_the_costs(registry: WorkerR
 
 def test_the_router_learns_from_a_finished_route(registry: WorkerRegistry) -> None:
     router = routed(registry, {"p0": 512, "p1": 512})
-    route = router.route(list(range(1024)))
+    route = router.route(list(range(1024)), PUSH)
     assert route.mode is PUSH and route.explanation is not None
     assert route.explanation.prefill_prefix_tokens == 512
     router.learn(route, 1024, None, push_timing(51))
