@@ -149,6 +149,7 @@ def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
     from kvpush.benchmarks.serve import report
 
     runs = ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side", "checksum-side-30s")
+    runs += ("checksum-onepass", "checksum-3x")
     for run in runs:
         folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
         assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
@@ -205,7 +206,9 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
     assert not routing_report.write_doc(folder / "results.md", folder / "results.json", check=True)
 
 
-@pytest.mark.parametrize("card", ["h200", "h100", "load-h100"])
+@pytest.mark.parametrize(
+    "card", ["h200", "h100", "load-h100", "load-h100-share", "load-h100-turns"]
+)
 def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> None:
     """docs/benchmarks/routing/<card>.md (issue 32 on one GPU: tests/gpu/h200.sh routing; its
     load target: routed-load)."""
@@ -217,16 +220,21 @@ def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> No
     assert routing_report.report_command(data, doc) in doc.read_text()
 
 
-def test_the_routed_load_run_is_the_join_of_its_parts() -> None:
-    """docs/benchmarks/routing/load-h100.json: kvpush-routed and vllm-serve, each run alone on
+@pytest.mark.parametrize(
+    ("run", "decode_share"),
+    [("load-h100", None), ("load-h100-share", 0.4), ("load-h100-turns", 0.4)],
+)
+def test_the_routed_load_runs_are_the_join_of_their_parts(
+    run: str, decode_share: float | None
+) -> None:
+    """docs/benchmarks/routing/load-h100*.json: kvpush-routed and vllm-serve, each run alone on
     its own GPU memory share (tests/gpu/h200.sh routed-load), joined with --join."""
     from kvpush.benchmarks.serve import join, results
 
     folder = DOCS / "benchmarks" / "routing"
-    parts = [
-        folder / "load-h100" / "parts" / f"{name}.json" for name in ("kvpush-routed", "vllm-serve")
-    ]
+    parts = [folder / run / "parts" / f"{name}.json" for name in ("kvpush-routed", "vllm-serve")]
     joined = join.join([join.load_part(p) for p in parts])
-    committed = results.load(folder / "load-h100.json")
+    committed = results.load(folder / f"{run}.json")
     assert committed.points == joined.points and committed.meta == joined.meta
     assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.4, "kvpush-routed": 0.25}
+    assert joined.meta.get("decode_gpu_memory_utilization") == decode_share
