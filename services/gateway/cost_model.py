@@ -239,6 +239,11 @@ class CostModel:
         self._views[worker_id] = found
         return found
 
+    def views(self, worker_ids: Iterable[str]) -> list[WorkerView]:
+        """``view`` of each worker (the memo read inline: the router asks it of every worker)."""
+        memo = self._views
+        return [memo.get(w) or self.view(w) for w in worker_ids]
+
     def compute_ms(self, worker_id: str, tokens: int) -> float:
         return max(tokens, 0) * self.view(worker_id).ms_per_token
 

@@ -140,21 +140,19 @@ def choose(
     d_loads: list[int] = []
     d_running: list[int] = []
     d_keys: list[_DecodeKey] = []
-    d_gpus: list[str] = []  # the GPU each runs on ("": CPU): a P on D's takes turns with it
     for d in decodes:
         load, running = d.load_running()
-        d_gpus.append(d.heartbeat.gpu)
         d_ids.append(d.worker_id)
         d_loads.append(load)
         d_running.append(running)
         d_keys.append((load, -d.heartbeat.free_blocks, d.last_pick))
     d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
-    d_views = [model.view(w) for w in d_ids]
+    d_views = model.views(d_ids)
     p_ids: list[str] = []
     p_loads: list[int] = []
     p_hits: list[int] = []
     p_keys: list[_PrefillKey] = []
-    p_gpus: list[str] = []
+    p_gpus: dict[int, str] = {}  # the ranked P's GPUs ("": CPU): a D on one takes turns with it
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
     # LOCAL's P key is () and its P index -1
@@ -169,22 +167,23 @@ def choose(
         if not p_ranked:
             for p in prefills:
                 load = p.load
-                p_gpus.append(p.heartbeat.gpu)
                 p_ids.append(p.worker_id)
                 p_loads.append(load)
                 p_keys.append((load, p.last_pick))
             p_hits, p_missing = _prefix_hits(hits, p_ids, prompt_tokens)
-            p_views = [model.view(w) for w in p_ids]
+            p_views = model.views(p_ids)
             p_parts = model.prefill_parts(p_views, p_loads, p_missing)
             p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
                 : ALTERNATIVES + 1
             ]
+            p_gpus = {j: prefills[j].heartbeat.gpu for _, _, j in p_ranked}
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
         (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
         totals = TransferShare.totals(shares, cheapest_p)
         if gpu := p_gpus[cheapest_j]:  # the D on its GPU: their prefills take turns
-            for i in (i for i, d_gpu in enumerate(d_gpus) if d_gpu == gpu):
-                totals[i] = shares[i].in_turns(cheapest_p)
+            for i, d in enumerate(decodes):
+                if d.heartbeat.gpu == gpu:
+                    totals[i] = shares[i].in_turns(cheapest_p)
         d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
         # the cheapest P's pairs have their totals already; the other P's are computed
@@ -192,7 +191,7 @@ def choose(
         ranked += [
             (
                 shares[i].in_turns(p_cost)
-                if p_gpus[j] and p_gpus[j] == d_gpus[i]
+                if p_gpus[j] and p_gpus[j] == decodes[i].heartbeat.gpu
                 else shares[i].total(p_cost),
                 rank,
                 d_key,
@@ -227,7 +226,7 @@ def choose(
                 p_loads[j],
                 p_hits[j],
                 decode_running=d_running[i],
-                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == d_gpus[i],
+                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == decodes[i].heartbeat.gpu,
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))

@@ -416,3 +416,24 @@ def test_kvpush_up_gives_its_routing_policy_to_the_gateway(tmp_path) -> None:
 
     assert str(getattr(gateway_routing("--routing", "least-loaded"), "value", "")) == "least-loaded"
     assert str(getattr(gateway_routing(), "value", "")) == "routed"  # the gateway's default
+
+
+def test_a_worker_names_its_gpu_in_heartbeats_as_host_and_physical_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers on one GPU name it alike (the router does not overlap their prefills)."""
+    import socket
+
+    def named(device: str, gpu: int | None) -> str:
+        config = worker_config.WorkerConfig(
+            WorkerRole.DECODE, "d", "m", "m", device=device, gpu=gpu
+        )
+        return config.gpu_identity
+
+    host = socket.gethostname()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert named("cpu", None) == ""  # a CPU engine: no GPU to share
+    assert named("cuda", 1) == f"{host}/gpu1"
+    assert named("cuda", None) == f"{host}/gpu0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # the index past the mask: physical
+    assert named("cuda", 1) == f"{host}/gpu5"
