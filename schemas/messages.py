@@ -45,7 +45,8 @@ PROTOCOL_HISTORY: Final = {
     " optional ``checksums`` on KvReady (P's KV checksum of the announced blocks, one per equal"
     " byte part of a block; absent: not computed, D's READ is then unchecked);"
     " CacheEvents (a worker's prefix cache, on cache.<role>.<worker>) and CacheSync (a"
-    " gateway asks for snapshots of them, on cache.sync)",
+    " gateway asks for snapshots of them, on cache.sync); optional ``gpu`` on WorkerHeartbeat"
+    " (the GPU its engine runs on; absent: none known, the router overlaps as before)",
 }
 TAG_PREFIX: Final = f"kvpush.v{PROTOCOL_VERSION}."
 

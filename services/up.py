@@ -142,7 +142,7 @@ class Stack:
             if tp > 1:
                 argv += ["--tp", str(tp)]
             argv += ["--device", cfg.device]
-            gpu = gpus[n % len(gpus)] if cuda and gpus else None
+            gpu = cfg.gpu_of(n) if cuda and gpus else None
             if gpu is not None:
                 argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share(n))]
             for key in up_config.PASSED_TO_WORKERS:

@@ -95,40 +95,53 @@ class UpConfig:
         gpus = self.gpu_list()
         if not gpus:
             raise ConfigError("--gpus needs at least one GPU index, e.g. 0 or 0,1")
-        for gpu, shares in enumerate(self._shares_by_gpu()):
-            if sum(share for _, share in shares) > 0.95:
+        for gpu, shares in self._shares_by_gpu().items():
+            if sum(share for _, share in shares) > 0.95 or min(s for _, s in shares) <= 0:
                 plan = " + ".join(f"{role} {share:g}" for role, share in shares)
                 raise ConfigError(
-                    f"GPU {gpus[gpu % len(gpus)]}'s engines take {plan} of its memory: over the"
-                    " GPU (--gpu-memory-utilization, --prefill-/--decode-gpu-memory-utilization)"
+                    f"GPU {gpu}'s engines take {plan} of its memory: over the GPU, or nothing"
+                    " left for one (--gpu-memory-utilization,"
+                    " --prefill-/--decode-gpu-memory-utilization)"
                 )
 
     def roles(self) -> list[str]:
         """Each worker's role, in the order ``up`` starts them (and deals out the GPUs)."""
         return ["prefill"] * self.prefill + ["decode"] * self.decode
 
-    def _shares_by_gpu(self) -> list[list[tuple[str, float]]]:
-        by_gpu: list[list[tuple[str, float]]] = [[] for _ in self.gpu_list()]
+    def gpu_of(self, n: int) -> int:
+        """The GPU worker ``n`` (``roles`` order) runs on: ``--gpus`` dealt out in turn."""
+        gpus = self.gpu_list() or [0]
+        return gpus[n % len(gpus)]
+
+    def _shares_by_gpu(self) -> dict[int, list[tuple[str, float]]]:
+        by_gpu: dict[int, list[tuple[str, float]]] = {}
         for n, role in enumerate(self.roles()):
-            by_gpu[n % len(by_gpu)].append((role, self.gpu_share(n)))
+            by_gpu.setdefault(self.gpu_of(n), []).append((role, self.gpu_share(n)))
         return by_gpu
 
-    def gpu_share(self, n: int) -> float:
-        """Worker ``n``'s share of its GPU's memory (``roles`` order): its role's, else
-        --gpu-memory-utilization, else 0.85 split between the GPU's engines with a decode engine
-        counted twice (D holds every running answer's KV; P a prompt's until it is pushed)."""
-        role = self.roles()[n]
-        given = (
+    def _given_share(self, role: str) -> float | None:
+        own = (
             self.prefill_gpu_memory_utilization
             if role == "prefill"
             else self.decode_gpu_memory_utilization
         )
-        if given or self.gpu_memory_utilization:
-            return given or self.gpu_memory_utilization or 0.0
-        per_gpu = len(self.gpu_list()) or 1
-        neighbours = self.roles()[n % per_gpu :: per_gpu]  # every engine on worker n's GPU
+        return own or self.gpu_memory_utilization
+
+    def gpu_share(self, n: int) -> float:
+        """Worker ``n``'s share of its GPU's memory (``roles`` order): its role's, else
+        --gpu-memory-utilization, else what is left of 0.85 on its GPU after the shares given
+        there, split between the GPU's other engines with a decode engine counted twice (D holds
+        every running answer's KV; P a prompt's only until it is pushed)."""
+        roles = self.roles()
+        given = self._given_share(roles[n])
+        if given:
+            return given
+        gpu = self.gpu_of(n)
+        neighbours = [r for k, r in enumerate(roles) if self.gpu_of(k) == gpu]  # on its GPU
+        left = 0.85 - sum(self._given_share(r) or 0.0 for r in neighbours)
         weight = {"prefill": 1, "decode": 2}
-        return round(0.85 * weight[role] / sum(weight[r] for r in neighbours), 3)
+        free = sum(weight[r] for r in neighbours if not self._given_share(r))
+        return round(max(0.0, left) * weight[roles[n]] / free, 3)
 
     def gpu_list(self) -> list[int]:
         try:
@@ -242,7 +255,8 @@ SETTINGS: tuple[Setting, ...] = (
             f"{role}_gpu_memory_utilization",
             (f"--{role}-gpu-memory-utilization",),
             float,
-            f"cuda: each {role} engine's share of its GPU's memory, over --gpu-memory-utilization",
+            f"cuda: each {role} engine's share of its GPU's memory, instead of"
+            " --gpu-memory-utilization (the engines without one split what is left of 0.85)",
             f"KVPUSH_UP_{role.upper()}_GPU_MEMORY_UTILIZATION",
             metavar="F",
         )

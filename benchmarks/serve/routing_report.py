@@ -100,7 +100,7 @@ def _meta_lines(document: Document) -> list[str]:
         lines.append("Run: " + ", ".join(shown) + ".")
     share, decode = meta.get("gpu_memory_utilization"), meta.get("decode_gpu_memory_utilization")
     if share is not None:  # cuda
-        by = ", ".join(f"{k} {v:g}" for k, v in share.items()) if isinstance(share, dict) else None
+        by = ", ".join(f"{k} {v}" for k, v in share.items()) if isinstance(share, dict) else None
         text = f"GPU memory share (`--gpu-memory-utilization`): {by or f'{share:g}'}"
         text += " (a one-engine peer's engine gets twice it)"
         if decode is not None:

@@ -242,7 +242,11 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
         "device": ctx.device,
         "gpu": gpu_identity(ctx.gpu) if ctx.cuda else None,  # the card, as nvidia-smi names it
         "gpu_memory_utilization": ctx.gpu_memory_utilization if ctx.cuda else None,
-        "decode_gpu_memory_utilization": ctx.decode_gpu_memory_utilization if ctx.cuda else None,
+        "decode_gpu_memory_utilization": (  # kvpush's D engines' own share, where one ran
+            ctx.decode_gpu_memory_utilization
+            if ctx.cuda and any(s.startswith("kvpush") for s in the_plan.systems)
+            else None
+        ),
         "load_format": ctx.load_format,
         "decode_core": ctx.decode_core,
         "python": platform.python_version(),

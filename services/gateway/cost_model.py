@@ -23,7 +23,9 @@
 
 Until measured, each value is its ``PRIOR_*`` constant; an unmeasured worker takes the fleet's
 EWMA (every sample of that kind) before the prior. ``warm`` says whether there are measurements
-enough to trust a comparison of modes (``WARM_SAMPLES`` prefill samples and a transfer sample);
+enough to trust a comparison of modes (``WARM_SAMPLES`` prefill samples, P's or D's: the
+transfer keeps its prior until one is measured, so a router whose idle D computes every prompt
+still warms up);
 while cold, the router keeps the deployment's fixed rule for the mode (``--local-threshold``).
 
 Estimates (``estimate(candidate)``, milliseconds, with their terms)::
@@ -64,20 +66,23 @@ The estimate splits into a P part and a D share (``prefill_parts``; ``local_part
 ``transfer_shares``, each over the workers' ``view``, load and prompt tokens missing from their
 prefix cache): a transfer's total is ``share.total(P part)``, which grows with the P part, so
 the cheapest pair is the cheapest P with the D whose share is cheapest for it, and the router
-finds it in O(P + D) rather than O(P * D).
+finds it in O(P + D) rather than O(P * D) (for a D on that P's GPU: that P in turns, or the
+cheapest P elsewhere; ``route_choice.choose``).
 
 Threading model: the gateway's event loop only (learning and estimating); no locks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Final, NamedTuple
+from typing import Final
 
 from kvpush.connector import BoundedDict
 from kvpush.schemas.messages import KvPushed, Timing, TransferMode
+from kvpush.services.gateway.cost_terms import Candidate, Estimate, TransferShare, WorkerView
+
+__all__ = ["Candidate", "CostModel", "Estimate", "TransferShare", "WorkerView"]
 
 PRIOR_PREFILL_TOKENS_PER_S: Final = 20_000.0
 """Prompt tokens per second a worker prefills before any is measured (an 8B model on one H200
@@ -100,7 +105,7 @@ PRIOR_LOCAL_OVERHEAD_MS: Final = 0.5
 EWMA_WEIGHT: Final = 0.2
 """Weight of a new sample in every EWMA (about the last ten requests count)."""
 WARM_SAMPLES: Final = 3
-"""Prefill-rate samples needed (with one transfer sample) before modes are compared by cost."""
+"""Prefill-rate samples needed before modes are compared by cost."""
 MAX_WORKERS: Final = 4096
 """Workers whose measurements are kept (the oldest measured are dropped past it)."""
 
@@ -133,70 +138,9 @@ class WorkerCosts:
     join_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))  # unmeasured: step_ms
 
 
-class Candidate(NamedTuple):
-    """One way to serve a prompt: a mode, its workers, and what the router knows of them."""
-
-    mode: TransferMode
-    decode_id: str
-    decode_load: int
-    decode_hit: int  # leading prompt tokens D's prefix cache holds
-    prompt_tokens: int
-    prefill_id: str | None = None  # None: LOCAL
-    prefill_load: int = 0
-    prefill_hit: int = 0
-    decode_running: int = 0  # D's requests past their first token (inside decode_load)
-    shared_gpu: bool = False  # P and D on one GPU: D's waiting prefills and P's take turns
-
-    @property
-    def label(self) -> str:
-        if self.prefill_id is None:
-            return f"{self.mode.value} {self.decode_id}"
-        return f"{self.mode.value} {self.prefill_id}>{self.decode_id}"
-
-
-class Estimate(NamedTuple):
-    """A candidate's estimated TTFT and the terms it adds up (ms; a runner-up's: none)."""
-
-    candidate: Candidate
-    total_ms: float
-    terms: Mapping[str, float] = MappingProxyType({})
-
-    def __str__(self) -> str:
-        return f"{self.candidate.label} {self.total_ms:.1f}ms"
-
-
-class TransferShare(NamedTuple):
-    """One D's share of a push/pull estimate: its total for a P part is ``total(p)``."""
-
-    fixed: float  # the hand-off and D's steps
-    tail: float  # the transfer's tail of what D lacks (after P's compute)
-    wait: float  # D's waiting LOCAL prefills: they overlap P's part and the tail
-
-    def total(self, prefill_part: float) -> float:
-        part = prefill_part + self.tail
-        return self.fixed + (self.wait if self.wait > part else part)  # max(part, wait)
-
-    def in_turns(self, prefill_part: float) -> float:
-        """``total`` for a P on D's own GPU: D's waiting prefills and P's part take turns on
-        its compute instead of overlapping."""
-        return self.fixed + prefill_part + self.tail + self.wait
-
-    @staticmethod
-    def totals(shares: Iterable[TransferShare], prefill_part: float) -> list[float]:
-        """Each share's ``total(prefill_part)``, in one pass (no call per share)."""
-        return [
-            fixed + (wait if wait > (part := prefill_part + tail) else part)
-            for fixed, tail, wait in shares
-        ]
-
-
-class WorkerView(NamedTuple):
-    """What the estimates use of one worker: its own measurements, else the fleet's."""
-
-    ms_per_token: float
-    service_ms: float
-    step_ms: float
-    join_ms: float  # what each decoding request adds to a LOCAL prompt's first step
+def _measured(own: Ewma | None, fleet: Ewma) -> Ewma:
+    """A worker's own EWMA where it has samples, else the fleet's."""
+    return own if own is not None and own.samples else fleet
 
 
 class CostModel:
@@ -215,7 +159,7 @@ class CostModel:
     @property
     def warm(self) -> bool:
         """Measured enough to compare modes by cost (else the router's fixed rule decides)."""
-        return self.fleet.tokens_per_s.samples >= WARM_SAMPLES and self.bytes_per_s.samples > 0
+        return self.fleet.tokens_per_s.samples >= WARM_SAMPLES
 
     # ---- estimates -------------------------------------------------------------------------
     def view(self, worker_id: str) -> WorkerView:
@@ -223,16 +167,13 @@ class CostModel:
         found = self._views.get(worker_id)
         if found is not None:
             return found
-        own = self.workers.get(worker_id)
-        rate, service, step, join = (  # its own where measured, else the fleet's
-            own_ewma
-            if own and (own_ewma := getattr(own, name)).samples
-            else getattr(self.fleet, name)
-            for name in ("tokens_per_s", "service_ms", "step_ms", "join_ms")
-        )
-        step_ms = step.value  # the join time until one is measured
-        found = WorkerView(
-            1000.0 / rate.value, service.value, step_ms, join.value if join.samples else step_ms
+        own, fleet = self.workers.get(worker_id), self.fleet
+        rate = _measured(own.tokens_per_s if own else None, fleet.tokens_per_s)
+        service = _measured(own.service_ms if own else None, fleet.service_ms)
+        step = _measured(own.step_ms if own else None, fleet.step_ms).value
+        join = _measured(own.join_ms if own else None, fleet.join_ms)
+        found = WorkerView(  # the join time is the step time until one is measured
+            1000.0 / rate.value, service.value, step, join.value if join.samples else step
         )
         if len(self._views) >= self.workers.limit:
             self._views.clear()

@@ -6,7 +6,9 @@ every (P, D) pair. A transfer's estimate is a D share's total for a P part
 (``CostModel.prefill_parts`` and ``transfer_shares``), which grows with the P part, so the
 cheapest pair is the cheapest P with the D cheapest for it: O(P + D) parts, then the pairs of
 the ``ALTERNATIVES`` + 1 cheapest of each side, and full estimates (with their terms) only for
-the choice and its runners-up.
+the choice and its runners-up. A D on the cheapest P's GPU (heartbeats' ``gpu``) takes turns
+with it (``TransferShare.in_turns``, never below ``total``): its cheapest pair is that P in
+turns or the cheapest P on another GPU, whichever is less (still exact, still O(P + D)).
 Equal costs go to the least-loaded worker, as the least-loaded policy orders them
 (``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work). Each
 worker's heartbeat, load and ``CostModel.view`` are read once per decision, whatever the modes.
@@ -153,6 +155,7 @@ def choose(
     p_hits: list[int] = []
     p_keys: list[_PrefillKey] = []
     p_gpus: dict[int, str] = {}  # the ranked P's GPUs ("": CPU): a D on one takes turns with it
+    p_parts: list[float] = []
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
     # LOCAL's P key is () and its P index -1
@@ -180,14 +183,30 @@ def choose(
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
         (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
         totals = TransferShare.totals(shares, cheapest_p)
-        if gpu := p_gpus[cheapest_j]:  # the D on its GPU: their prefills take turns
+        partner: dict[int, tuple[_PrefillKey, int]] = {}  # D -> its cheapest P, if not that one
+        if gpu := p_gpus[cheapest_j]:
+            # a D on that P's GPU takes turns with it: its cheapest pair is that P in turns or
+            # the cheapest P elsewhere (each grows with P's part: exact, and still O(P + D))
+            away = min(
+                (
+                    (cost, key, j)
+                    for cost, key, j in zip(p_parts, p_keys, range(len(p_ids)), strict=True)
+                    if prefills[j].heartbeat.gpu != gpu
+                ),
+                default=None,
+            )
             for i, d in enumerate(decodes):
                 if d.heartbeat.gpu == gpu:
                     totals[i] = shares[i].in_turns(cheapest_p)
+                    if away is not None and (apart := shares[i].total(away[0])) < totals[i]:
+                        totals[i], partner[i] = apart, (away[1], away[2])
+                        p_gpus[away[2]] = prefills[away[2]].heartbeat.gpu
         d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
-        # the cheapest P's pairs have their totals already; the other P's are computed
-        ranked += [(cost, rank, d_key, cheapest_key, cheapest_j, i) for cost, d_key, i in d_ranked]
+        # each D's cheapest pair has its total already; the other P's pairs are computed
+        for cost, d_key, i in d_ranked:
+            p_key, j = partner.get(i, (cheapest_key, cheapest_j))
+            ranked.append((cost, rank, d_key, p_key, j, i))
         ranked += [
             (
                 shares[i].in_turns(p_cost)
@@ -201,6 +220,7 @@ def choose(
             )
             for p_cost, p_key, j in other_ps
             for _, d_key, i in d_ranked
+            if j != partner.get(i, (None, cheapest_j))[1]  # that pair is in already
         ]
     ranked.sort()
     estimates: list[Estimate] = []

@@ -90,15 +90,14 @@ class WorkerConfig:
 
     @property
     def gpu_identity(self) -> str:
-        """The GPU this worker's engine runs on as heartbeats name it, ``<host>/gpu<index>``
-        (the index past ``CUDA_VISIBLE_DEVICES``), "" on CPU."""
+        """The GPU this worker's engine runs on as heartbeats name it, ``<host>/gpu<id>``: ``--gpu``
+        (the engine's ``CUDA_VISIBLE_DEVICES``, engine_config.engine_env), else the first GPU
+        the inherited ``CUDA_VISIBLE_DEVICES`` lists (else 0); "" on CPU."""
         if resolve_device(self.device) != "cuda":
             return ""
-        index = str(self.gpu or 0)
-        visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-        if visible != [""] and int(index) < len(visible):
-            index = visible[int(index)]
-        return f"{socket.gethostname()}/gpu{index}"
+        inherited = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        gpu = str(self.gpu) if self.gpu is not None else inherited or "0"
+        return f"{socket.gethostname()}/gpu{gpu}"
 
     @property
     def metrics_served(self) -> bool:

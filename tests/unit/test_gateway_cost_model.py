@@ -224,6 +224,9 @@ def test_while_cold_an_idle_decode_worker_computes_a_long_prompt_and_a_busy_one_
     assert route.mode is PUSH and route.explanation is not None
     assert route.explanation.reason is RouteReason.COLD
     assert router.route(list(range(100))).mode is LOCAL  # under the threshold: LOCAL
+    for _ in range(cost_model.WARM_SAMPLES):  # D's prefills alone warm it (transfer: prior)
+        router.costs.learn(LOCAL, None, "d0", 4100, cached_tokens=0, timing=local_timing(1, 400))
+    assert router.costs.warm and router.costs.bytes_per_s.samples == 0
     never = Router(registry, PUSH, 0, prefix=FakePrefix({}))  # 0: never LOCAL unasked
     registry.observe(beat(D, "d0"))
     assert never.route(list(range(4100))).mode is PUSH
@@ -255,6 +258,7 @@ def test_a_p_on_d_s_own_gpu_takes_turns_with_d_s_waiting_prefills(
     assert shared.mode is LOCAL, shared.explanation  # in turns the push is no cheaper
     pushes = [e for e in shared.explanation.alternatives if e.candidate.mode is PUSH]
     assert pushes and all(e.candidate.shared_gpu for e in pushes)
+    assert all(e.candidate.label.endswith(" (one GPU)") for e in pushes)  # the trace says so
     for found in pushes:  # the O(P + D) totals and the full estimate agree
         full = router.costs.estimate(found.candidate)
         assert full.total_ms == pytest.approx(found.total_ms)
@@ -503,3 +507,70 @@ def test_routing_flag_defaults_to_routed_and_reads_the_environment() -> None:
     assert GatewayConfig.from_args(args, env).routing is RoutingPolicy.LEAST_LOADED
     flagged = parser.parse_args(["--model", "m", "--routing", "least-loaded"])
     assert GatewayConfig.from_args(flagged, {}).routing is RoutingPolicy.LEAST_LOADED
+
+
+# (role, gpu, requests queued for a prefill, requests running) per worker
+SHARED_GPU_FLEETS = [
+    # the cheapest P shares d0's GPU and d0 is queued; P elsewhere is dearer alone
+    [(P, "g0", 0, 0), (P, "g1", 1, 0), (D, "g0", 3, 0)] + [(D, "g2", 0, 5)] * 4,
+    # four P on d0's GPU rank before the one elsewhere
+    [(P, "g0", 0, 0)] * 4 + [(P, "g1", 1, 0), (D, "g0", 3, 0)],
+]
+
+
+@pytest.mark.parametrize("fleet", [*SHARED_GPU_FLEETS, *range(60)])
+def test_the_cheapest_pair_is_found_when_some_workers_share_a_gpu(
+    fleet: list[tuple[WorkerRole, str, int, int]] | int,
+) -> None:
+    """Against every (P, D) pair's full estimate: a P and a D on one GPU take turns, so the
+    cheapest pair may be a P on another GPU, ranked past the cheapest few P."""
+    import random
+
+    from kvpush.services.gateway.route_choice import choose
+
+    if isinstance(fleet, int):  # a random fleet of up to 8 P and 8 D on 3 GPUs and CPUs
+        rng = random.Random(fleet)
+        fleet = [
+            (role, rng.choice(["", "g0", "g1", "g2"]), rng.randrange(4), rng.randrange(6))
+            for role in (P, D)
+            for _ in range(rng.randrange(1, 9))
+        ]
+    registry = WorkerRegistry(lease_s=3.0, clock=Clock())
+    for n, (role, gpu, queued, running) in enumerate(fleet):
+        in_flight = queued + (running if role is D else 0)
+        registry.observe(
+            beat(role, f"{role.value[0]}{n}", in_flight=in_flight, queue_depth=queued, gpu=gpu)
+        )
+    model = CostModel()
+    warm_up(model)
+    decodes, prefills = registry.alive(D), registry.alive(P)
+    picked = choose(model, 1000, {}, decodes, prefills, (PUSH,))
+    gpu_of = {s.worker_id: s.heartbeat.gpu for s in (*decodes, *prefills)}
+
+    def shared(p: str, d: str) -> bool:
+        return bool(gpu_of[p]) and gpu_of[p] == gpu_of[d]
+
+    best = min(
+        model.estimate(
+            Candidate(
+                PUSH,
+                d.worker_id,
+                d.load,
+                0,
+                1000,
+                p.worker_id,
+                p.load,
+                0,
+                decode_running=d.running,
+                shared_gpu=shared(p.worker_id, d.worker_id),
+            )
+        ).total_ms
+        for d in decodes
+        for p in prefills
+    )
+    assert picked.choice.total_ms == pytest.approx(best)
+    chosen = picked.choice.candidate
+    assert chosen.prefill_id is not None
+    assert chosen.shared_gpu == shared(chosen.prefill_id, chosen.decode_id)
+    labels = [e.candidate.label for e in (picked.choice, *picked.alternatives)]
+    assert len(labels) == len(set(labels))  # no pair twice

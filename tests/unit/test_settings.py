@@ -183,7 +183,11 @@ def test_engines_sharing_a_gpu_split_its_memory_with_decode_counted_twice() -> N
     assert shares("--prefill", "2", "--gpu-memory-utilization", "0.25") == [0.25, 0.25, 0.25]
     given = ("--prefill", "2", "--gpu-memory-utilization", "0.25")
     assert shares(*given, "--decode-gpu-memory-utilization", "0.4") == [0.25, 0.25, 0.4]
-    assert shares("--prefill-gpu-memory-utilization", "0.2") == [0.2, 0.567]
+    assert shares("--prefill-gpu-memory-utilization", "0.2") == [0.2, 0.65]  # D: what is left
+    assert shares("--decode-gpu-memory-utilization", "0.6") == [0.25, 0.6]
+    assert shares("--gpus", "0,0") == [0.283, 0.567]  # one GPU named twice: still one GPU
+    with pytest.raises(ConfigError, match="nothing left"):
+        shares("--decode-gpu-memory-utilization", "0.9")
     with pytest.raises(ConfigError, match=r"prefill 0.25 \+ prefill 0.25 \+ decode 0.5"):
         shares(*given, "--decode-gpu-memory-utilization", "0.5")
 
@@ -418,7 +422,7 @@ def test_kvpush_up_gives_its_routing_policy_to_the_gateway(tmp_path) -> None:
     assert str(getattr(gateway_routing(), "value", "")) == "routed"  # the gateway's default
 
 
-def test_a_worker_names_its_gpu_in_heartbeats_as_host_and_physical_index(
+def test_a_worker_names_its_gpu_in_heartbeats_as_its_engine_sees_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Workers on one GPU name it alike (the router does not overlap their prefills)."""
@@ -435,5 +439,6 @@ def test_a_worker_names_its_gpu_in_heartbeats_as_host_and_physical_index(
     assert named("cpu", None) == ""  # a CPU engine: no GPU to share
     assert named("cuda", 1) == f"{host}/gpu1"
     assert named("cuda", None) == f"{host}/gpu0"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # the index past the mask: physical
-    assert named("cuda", 1) == f"{host}/gpu5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert named("cuda", 1) == f"{host}/gpu1"  # --gpu is the engine's CUDA_VISIBLE_DEVICES
+    assert named("cuda", None) == f"{host}/gpu3"  # none given: the first GPU it inherits

@@ -1,0 +1,81 @@
+"""The cost model's values: a candidate way to serve a prompt (``Candidate``), its estimate
+(``Estimate``), one D's share of a transfer's estimate (``TransferShare``) and what the
+estimates read of a worker (``WorkerView``); ``cost_model.CostModel`` makes and reads them.
+
+Threading model: immutable values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+from kvpush.schemas.messages import TransferMode
+
+
+class Candidate(NamedTuple):
+    """One way to serve a prompt: a mode, its workers, and what the router knows of them."""
+
+    mode: TransferMode
+    decode_id: str
+    decode_load: int
+    decode_hit: int  # leading prompt tokens D's prefix cache holds
+    prompt_tokens: int
+    prefill_id: str | None = None  # None: LOCAL
+    prefill_load: int = 0
+    prefill_hit: int = 0
+    decode_running: int = 0  # D's requests past their first token (inside decode_load)
+    shared_gpu: bool = False  # P and D on one GPU: D's waiting prefills and P's take turns
+
+    @property
+    def label(self) -> str:
+        if self.prefill_id is None:
+            return f"{self.mode.value} {self.decode_id}"
+        turns = " (one GPU)" if self.shared_gpu else ""  # the trace says why wait_d is whole
+        return f"{self.mode.value} {self.prefill_id}>{self.decode_id}{turns}"
+
+
+class Estimate(NamedTuple):
+    """A candidate's estimated TTFT and the terms it adds up (ms; a runner-up's: none)."""
+
+    candidate: Candidate
+    total_ms: float
+    terms: Mapping[str, float] = MappingProxyType({})
+
+    def __str__(self) -> str:
+        return f"{self.candidate.label} {self.total_ms:.1f}ms"
+
+
+class TransferShare(NamedTuple):
+    """One D's share of a push/pull estimate: its total for a P part is ``total(p)``."""
+
+    fixed: float  # the hand-off and D's steps
+    tail: float  # the transfer's tail of what D lacks (after P's compute)
+    wait: float  # D's waiting LOCAL prefills: they overlap P's part and the tail
+
+    def total(self, prefill_part: float) -> float:
+        part = prefill_part + self.tail
+        return self.fixed + (self.wait if self.wait > part else part)  # max(part, wait)
+
+    def in_turns(self, prefill_part: float) -> float:
+        """``total`` for a P on D's own GPU: D's waiting prefills and P's part take turns on
+        its compute instead of overlapping."""
+        return self.fixed + prefill_part + self.tail + self.wait
+
+    @staticmethod
+    def totals(shares: Iterable[TransferShare], prefill_part: float) -> list[float]:
+        """Each share's ``total(prefill_part)``, in one pass (no call per share)."""
+        return [
+            fixed + (wait if wait > (part := prefill_part + tail) else part)
+            for fixed, tail, wait in shares
+        ]
+
+
+class WorkerView(NamedTuple):
+    """What the estimates use of one worker: its own measurements, else the fleet's."""
+
+    ms_per_token: float
+    service_ms: float
+    step_ms: float
+    join_ms: float  # what each decoding request adds to a LOCAL prompt's first step
