@@ -55,6 +55,8 @@ class LiveWorker(Protocol):
     @property
     def worker_id(self) -> str: ...
     @property
+    def gpu(self) -> str: ...  # the GPU its engine runs on ("": none known)
+    @property
     def heartbeat(self) -> WorkerHeartbeat: ...
     @property
     def load(self) -> int: ...
@@ -154,7 +156,8 @@ def choose(
     p_loads: list[int] = []
     p_hits: list[int] = []
     p_keys: list[_PrefillKey] = []
-    p_gpus: dict[int, str] = {}  # the ranked P's GPUs ("": CPU): a D on one takes turns with it
+    p_gpus: list[str] = []  # each P's GPU ("": CPU): a D on one takes turns with it
+    p_on_gpus = False
     p_parts: list[float] = []
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
@@ -170,6 +173,7 @@ def choose(
         if not p_ranked:
             for p in prefills:
                 load = p.load
+                p_gpus.append(p.gpu)
                 p_ids.append(p.worker_id)
                 p_loads.append(load)
                 p_keys.append((load, p.last_pick))
@@ -179,7 +183,7 @@ def choose(
             p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
                 : ALTERNATIVES + 1
             ]
-            p_gpus = {j: prefills[j].heartbeat.gpu for _, _, j in p_ranked}
+            p_on_gpus = any(p_gpus)
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
         (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
         totals = TransferShare.totals(shares, cheapest_p)
@@ -191,26 +195,33 @@ def choose(
                 (
                     (cost, key, j)
                     for cost, key, j in zip(p_parts, p_keys, range(len(p_ids)), strict=True)
-                    if prefills[j].heartbeat.gpu != gpu
+                    if p_gpus[j] != gpu
                 ),
                 default=None,
             )
             for i, d in enumerate(decodes):
-                if d.heartbeat.gpu == gpu:
+                if d.gpu == gpu:
                     totals[i] = shares[i].in_turns(cheapest_p)
                     if away is not None and (apart := shares[i].total(away[0])) < totals[i]:
                         totals[i], partner[i] = apart, (away[1], away[2])
-                        p_gpus[away[2]] = prefills[away[2]].heartbeat.gpu
         d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
         # each D's cheapest pair has its total already; the other P's pairs are computed
+        if not p_on_gpus:  # no P names a GPU (CPU workers): no pair takes turns
+            ranked += [(c, rank, d_key, cheapest_key, cheapest_j, i) for c, d_key, i in d_ranked]
+            ranked += [
+                (shares[i].total(p_cost), rank, d_key, p_key, j, i)
+                for p_cost, p_key, j in other_ps
+                for _, d_key, i in d_ranked
+            ]
+            continue
         for cost, d_key, i in d_ranked:
             p_key, j = partner.get(i, (cheapest_key, cheapest_j))
             ranked.append((cost, rank, d_key, p_key, j, i))
         ranked += [
             (
                 shares[i].in_turns(p_cost)
-                if p_gpus[j] and p_gpus[j] == decodes[i].heartbeat.gpu
+                if p_gpus[j] and p_gpus[j] == decodes[i].gpu
                 else shares[i].total(p_cost),
                 rank,
                 d_key,
@@ -246,7 +257,7 @@ def choose(
                 p_loads[j],
                 p_hits[j],
                 decode_running=d_running[i],
-                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == decodes[i].heartbeat.gpu,
+                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == decodes[i].gpu,
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))

@@ -52,9 +52,11 @@ class WorkerState:
     last_pick: float = 0.0
     beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
     worker_id: str = field(init=False, repr=False, compare=False)  # the member's, read often
+    gpu: str = field(init=False, repr=False, compare=False)  # its heartbeat's, read often
 
     def __post_init__(self) -> None:
         self.worker_id = self.member.heartbeat.worker_id
+        self.gpu = self.member.heartbeat.gpu
 
     @property
     def heartbeat(self) -> WorkerHeartbeat:
@@ -144,6 +146,7 @@ class WorkerRegistry:
             state.sent_since_heartbeat = state.sent_running = 0
             state.started_since_heartbeat = state.ended_since_heartbeat = 0
             state.beats += 1
+            state.gpu = hb.gpu
 
     def _joined(self, member: Member) -> None:
         hb = member.heartbeat
