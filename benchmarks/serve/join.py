@@ -99,10 +99,12 @@ def join(parts: list[Document]) -> Document:
     if len({repr(p.meta.get("gpu_memory_utilization")) for p in parts}) > 1:  # each part's own
         for entry, part in zip(meta["parts"], parts, strict=True):
             entry["gpu_memory_utilization"] = part.meta.get("gpu_memory_utilization")
-    meta.pop(DECODE_SHARE, None)  # kvpush's D engines' own share: where a part gave one
+    meta.pop(DECODE_SHARE, None)  # kvpush's D engines' own share: stated where a part gave one
+    if (decode_share := _decode_share(parts, owner, systems)) is not None:
+        meta[DECODE_SHARE] = decode_share
     for entry, part in zip(meta["parts"], parts, strict=True):
         if part.meta.get(DECODE_SHARE) is not None:
-            entry[DECODE_SHARE] = meta[DECODE_SHARE] = _decode_share(parts, owner, systems)
+            entry[DECODE_SHARE] = part.meta[DECODE_SHARE]
     joined = Document(schema=first.schema, meta=meta)
     for name in systems:
         part = parts[owner[name]]

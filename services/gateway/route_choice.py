@@ -157,7 +157,6 @@ def choose(
     p_hits: list[int] = []
     p_keys: list[_PrefillKey] = []
     p_gpus: list[str] = []  # each P's GPU ("": CPU): a D on one takes turns with it
-    p_on_gpus = False
     p_parts: list[float] = []
     p_ranked: list[tuple[float, _PrefillKey, int]] = []
     # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
@@ -183,7 +182,6 @@ def choose(
             p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
                 : ALTERNATIVES + 1
             ]
-            p_on_gpus = any(p_gpus)
         shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
         (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
         totals = TransferShare.totals(shares, cheapest_p)
@@ -207,17 +205,12 @@ def choose(
         d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
         rank = 1 if mode is TransferMode.PUSH else 2
         # each D's cheapest pair has its total already; the other P's pairs are computed
-        if not p_on_gpus:  # no P names a GPU (CPU workers): no pair takes turns
-            ranked += [(c, rank, d_key, cheapest_key, cheapest_j, i) for c, d_key, i in d_ranked]
-            ranked += [
-                (shares[i].total(p_cost), rank, d_key, p_key, j, i)
-                for p_cost, p_key, j in other_ps
-                for _, d_key, i in d_ranked
-            ]
-            continue
-        for cost, d_key, i in d_ranked:
-            p_key, j = partner.get(i, (cheapest_key, cheapest_j))
-            ranked.append((cost, rank, d_key, p_key, j, i))
+        ranked += [
+            (cost, rank, d_key, *partner.get(i, (cheapest_key, cheapest_j)), i)
+            if partner
+            else (cost, rank, d_key, cheapest_key, cheapest_j, i)
+            for cost, d_key, i in d_ranked
+        ]
         ranked += [
             (
                 shares[i].in_turns(p_cost)
@@ -231,7 +224,7 @@ def choose(
             )
             for p_cost, p_key, j in other_ps
             for _, d_key, i in d_ranked
-            if j != partner.get(i, (None, cheapest_j))[1]  # that pair is in already
+            if not partner or j != partner.get(i, (None, cheapest_j))[1]  # that pair: in already
         ]
     ranked.sort()
     estimates: list[Estimate] = []

@@ -25,8 +25,8 @@
 # prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
 # routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
 # load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x; P_SHARE,
-# D_SHARE). Every step first unpacks the bundle once (/tmp/site) and makes kvpush importable from this tree (/tmp/kp);
-# results go under OUT.
+# D_SHARE). Every step first unpacks the bundle once (/tmp/site) and makes kvpush importable
+# from this tree (/tmp/kp); results go under OUT.
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
