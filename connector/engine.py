@@ -30,6 +30,7 @@ from kvpush.connector.posting import plan_layers, post_request
 from kvpush.connector.sidechannel import TransportError
 from kvpush.connector.transfer import (
     NOTICE_VERSION,
+    LateChecksum,
     LegSpec,
     Notice,
     NoticeKind,
@@ -238,12 +239,15 @@ class TransferEngine:
         for layer in posted.layers:
             t.timings[layer][1] = (now - t.created) * 1e3
 
-    def finish(self, transfer_id: str, checksum: int | None = None) -> None:
+    def finish(self, transfer_id: str, checksum: int | LateChecksum | None = None) -> None:
         if transfer_id in self.ended:
             return
         t = self.get(transfer_id)
         t.finish_requested = True
-        t.checksum = checksum
+        if isinstance(checksum, int) or checksum is None:
+            t.checksum = checksum
+        else:
+            t.late_checksum = checksum  # the notice waits for it (polled, never waited on)
         self._maybe_complete(t, self.clock())
 
     def _maybe_complete(self, t: Transfer, now: float) -> None:
@@ -253,6 +257,12 @@ class TransferEngine:
             and not t.pending
             and all(p.done for p in t.requests)
         ):
+            try:
+                if not t.checksum_known():
+                    return
+            except Exception as exc:  # fail closed: D recomputes rather than trust unchecked KV
+                self._fail(t, now, FailReason.TRANSFER, f"the KV checksum failed: {exc!r}")
+                return
             if self._notify(t, NoticeKind.DONE):
                 t.to(_S.DONE, now)
             else:

@@ -22,7 +22,9 @@ copy). Only these small sums reach the host, once per transfer; the weighting (`
 - P (``SourceSums``): once ``save_kv_layer`` saw the last layer, every layer's sums in one
   pass (the blocks do not change until the transfer ends); on CUDA one kernel on the side
   stream, after an event of the forward's stream (the forward's layers run no work of theirs),
-  then one non-blocking copy to pinned memory, read when the done notice (or KvReady) is sent.
+  then one non-blocking copy to pinned memory, read when the done notice (or KvReady) is sent:
+  a push's notice waits for them on the transport's poller (``transfer.LateChecksum``), so the
+  forward's logits and sampling (P's first token) do not.
 - D (``KvSums.all_layers``): the landed blocks' sums, on CUDA on a side stream, read before the
   receive is reported to vLLM.
 
@@ -148,6 +150,10 @@ class Pending:
         self._host = host
         self._event = event
 
+    def ready(self) -> bool:
+        """Are they on the host (``value`` would not wait)?"""
+        return self._event is None or bool(self._event.query())
+
     def value(self) -> np.ndarray:
         if self._event is not None:
             self._event.synchronize()
@@ -267,7 +273,8 @@ class KvSums:
 
 class SourceSums:
     """P: the block sums of one request's blocks, taken in one pass once its last layer is
-    computed (``add`` counts the layers in), on the host after that (``value``)."""
+    computed (``add`` counts the layers in), on the host after that (``value``; ``ready``
+    says whether it would wait)."""
 
     def __init__(self, kv: KvSums, block_ids: Sequence[int]) -> None:
         self._kv = kv
@@ -279,9 +286,10 @@ class SourceSums:
         """``layer`` is computed (called on the forward's thread once its KV is queued). With
         the last layer in, every layer's sums are queued at once: on CUDA one kernel on the side
         stream, after an event of the forward's stream; the forward's layers run no work of
-        theirs. The done notice (or KvReady) waits for them through ``value``, and so does the
-        end of the step, which drains the gate thread that sends it (every layer of a
-        2048-token prompt of the 8B shape: 256 MiB to read, after the last layer)."""
+        theirs (every layer of a 2048-token prompt of the 8B shape: 256 MiB to read, after the
+        last layer). A push's done notice waits for them (the transport polls ``ready``), not
+        the forward: its logits and sampling run meanwhile. A pull's KvReady reads ``value`` on
+        the gate thread, which the end of the step drains."""
         if self._pending is not None:
             return
         self._added.add(layer)
@@ -297,6 +305,10 @@ class SourceSums:
         side.wait_event(written)
         with torch.cuda.stream(side):  # the buffers live and die on the side stream
             self._pending = self._kv.pending_sums(self.ids)
+
+    def ready(self) -> bool:
+        """Would ``value`` return without waiting (also with a layer missing: None then)?"""
+        return self._pending is None or self._pending.ready()
 
     def value(self) -> np.ndarray | None:
         """``[L, R, blocks, parts]`` once every layer was added, else None."""

@@ -24,8 +24,10 @@ the initiator said it is finished (any notice) or the peer was declared lost. Fa
 reported at once (the event carries ``quiesced=False`` if requests are still in flight) and a
 second event follows when the transfer quiesces; only then may blocks be freed or reused.
 
-Also here: ``LegSpec`` (how an initiator transfer meets its target when TP differs) and
-``PeerLink`` (a peer loaded into NIXL), the values ``TransferEngine`` keeps with its transfers.
+Also here: ``LegSpec`` (how an initiator transfer meets its target when TP differs),
+``PeerLink`` (a peer loaded into NIXL), the values ``TransferEngine`` keeps with its transfers,
+and ``LateChecksum``: a DONE notice's KV checksum still being computed when ``finish`` is called
+(the notice waits for it, not the caller).
 
 Threading model: none here; ``Transfer`` objects are owned by ``TransferEngine`` (engine.py),
 which mutates them only under its lock.
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -154,6 +156,15 @@ class Posted:
     done: bool = False
 
 
+class LateChecksum(Protocol):
+    """A DONE notice's checksum whose sums are still on their way (P's side-stream pass):
+    ``ready`` must not block; ``value`` is read once, after ``ready`` said True."""
+
+    def ready(self) -> bool: ...
+
+    def value(self) -> int | None: ...
+
+
 @dataclass(eq=False)
 class Transfer:
     transfer_id: str
@@ -182,6 +193,7 @@ class Transfer:
     imminent: bool = False  # target: the initiator said its WRITEs started
     end_notice_sent: bool = False
     checksum: int | None = None  # initiator: what the DONE notice carries (``finish``)
+    late_checksum: LateChecksum | None = None  # ... until it is known (``checksum_known``)
     nbytes: int = 0
     descriptors: int = 0
     nixl_descriptors: int | None = None
@@ -212,6 +224,17 @@ class Transfer:
         if state.terminal:
             self.ended_at = now
             self.pending.clear()
+
+    def checksum_known(self) -> bool:
+        """Initiator: is the DONE notice's checksum known? A late one is read once it is ready
+        (raises what computing it raised)."""
+        late = self.late_checksum
+        if late is None:
+            return True
+        if not late.ready():
+            return False
+        self.checksum, self.late_checksum = late.value(), None
+        return True
 
     # ---- derived ----------------------------------------------------------------------------
     @property

@@ -47,7 +47,14 @@ from kvpush.connector.sidechannel import (
     SideChannelServer,
     TransportError,
 )
-from kvpush.connector.transfer import LegSpec, PeerLink, Role, TransferEvent, TransferState
+from kvpush.connector.transfer import (
+    LateChecksum,
+    LegSpec,
+    PeerLink,
+    Role,
+    TransferEvent,
+    TransferState,
+)
 from kvpush.connector.transport_config import TransportConfig
 from kvpush.schemas.messages import FailReason
 
@@ -287,9 +294,9 @@ class KvTransport:
         self._changed()
         return posted
 
-    def finish(self, transfer_id: str, checksum: int | None = None) -> None:
+    def finish(self, transfer_id: str, checksum: int | LateChecksum | None = None) -> None:
         """No more layers: the completion notice (with ``checksum``, the KV's) goes out once
-        every request is DONE."""
+        every request is DONE (and a late checksum is ready: the poller polls for it)."""
         with self._lock:
             self._engine.finish(transfer_id, checksum)
         self._changed()
@@ -349,7 +356,8 @@ class KvTransport:
             for t in self._engine.transfers.values():
                 if t.initiator and t.state is TransferState.WAITING_PEER:
                     return busy_s
-                if t.initiator and live and t.finish_requested and not t.state.terminal:
+                late = t.late_checksum is not None  # the notice waits for P's sums only
+                if t.initiator and (live or late) and t.finish_requested and not t.state.terminal:
                     return busy_s
                 if not t.initiator and not t.state.terminal and t.imminent:
                     wait = target_s

@@ -7,7 +7,8 @@ reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writ
 ``kvpush.benchmarks.docgen`` markers; the prose
 around it is left alone): per table (reuse share, prompt length) one row per point and system
 with TTFT P50 and P99 (ms, median and [min-max] over repeats), then the ratios peer /
-``kvpush-routed`` of those medians (above 1: kvpush-routed is faster), then, when the run
+``kvpush-routed`` of those medians (above 1: kvpush-routed is faster; a table with only the
+1P1D row ``kvpush-routed-1p1d``: peers / it), then, when the run
 recorded them (``Point.routing``: runs before it did not, and their section has none), the
 kvpush systems' routing decisions per point (``decision_lines``): the requests per
 ``mode/reason`` summed over repeats, each group's TTFT P50 next to the cost model's estimate
@@ -45,6 +46,7 @@ from kvpush.benchmarks.serve.summary import Row
 
 SECTION = "routing"
 ROUTED = "kvpush-routed"  # the reference of every ratio
+REFERENCES = (ROUTED, "kvpush-routed-1p1d")  # the first a table has (the 1P1D row alone: it)
 FIGURES = ("ttft_p50", "ttft_p99")
 FOLDER = "docs/benchmarks/routing"  # the committed runs: results.json (CPU), h200.json
 REPORT_COMMAND = (
@@ -123,11 +125,13 @@ def table_lines(dataset: str, input_len: int, rows: list[Row]) -> list[str]:
             f"| {_point_label(r)} | {r.system} | {p50} | {p99} | {r.completed}/{r.errors} |"
         )
     lines.append("")
-    routed = {r.point: r for r in rows if r.system == ROUTED}
-    peers = [r for r in rows if r.system != ROUTED]
+    names = {r.system for r in rows}
+    reference = next((name for name in REFERENCES if name in names), ROUTED)
+    routed = {r.point: r for r in rows if r.system == reference}
+    peers = [r for r in rows if r.system != reference]
     if not routed or not peers:
         return lines
-    lines += [f"Ratios peer / {ROUTED} of the medians (above 1: {ROUTED} is faster):", ""]
+    lines += [f"Ratios peer / {reference} of the medians (above 1: {reference} is faster):", ""]
     lines += ["| point | peer | TTFT P50 | TTFT P99 |", "|---|---|---|---|"]
     for r in peers:
         cells = " | ".join(_ratio(ratio_of(r, routed.get(r.point), f)) for f in FIGURES)

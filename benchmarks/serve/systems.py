@@ -18,7 +18,8 @@ and returns the base URL of an OpenAI-compatible HTTP endpoint (``POST /v1/compl
   ``kvpush-routed`` (``--routing routed``, the default ``--local-threshold``: routed decides
   per request between D-local prefill and the push) and
   ``kvpush-least-loaded`` (``--routing least-loaded``, ``--local-threshold 256``, the old
-  default). Their requests name no mode (the policy chooses; some requests are local on
+  default); ``kvpush-routed-1p1d`` is ``kvpush-routed`` as 1P1D (a labelled row for one
+  GPU). Their requests name no mode (the policy chooses; some requests are local on
   purpose), so their transfer check is ``none``. The policy reaches the gateway through its
   environment variable ``KVPUSH_ROUTING`` (``kvpush up --routing`` does the same).
 
@@ -334,13 +335,25 @@ class KvpushRouted(KvpushRoutedSystem):
     local_threshold = None  # the default: a cold-start fallback only (0 would mean never LOCAL)
 
 
+class KvpushRoutedOnePair(KvpushRouted):
+    """``kvpush-routed`` as one P and one D: on one GPU, where the policy keeps prompts LOCAL,
+    what a second P's weights and share would hold goes to D (an extra labelled row)."""
+
+    name = "kvpush-routed-1p1d"
+    prefill_workers = 1
+    decode_workers = 1
+
+    def workers(self, ctx: BenchContext) -> tuple[int, int]:
+        return 1, 1
+
+
 class KvpushLeastLoaded(KvpushRoutedSystem):
     name = "kvpush-least-loaded"
     routing = "least-loaded"
     local_threshold = 256  # the old default threshold, named so a new default does not move it
 
 
-ROUTING_SYSTEMS = (KvpushRouted.name, KvpushLeastLoaded.name)
+ROUTING_SYSTEMS = (KvpushRouted.name, KvpushLeastLoaded.name, KvpushRoutedOnePair.name)
 
 KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
     cls.name: cls
@@ -352,6 +365,7 @@ KVPUSH_SYSTEMS: dict[str, type[KvpushSystem]] = {
         KvpushPushMps,
         KvpushPushUnchecked,
         KvpushRouted,
+        KvpushRoutedOnePair,
         KvpushLeastLoaded,
     )
 }

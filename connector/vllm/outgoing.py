@@ -17,9 +17,12 @@ started leg is quiesced.
 ``outcome_message`` is what P tells D when a transfer settles (echoing D's allocation epoch);
 ``emit_settled_spans`` makes P's spans of a settled transfer after the fact. ``sums`` holds the
 KV checksum's block sums once the last layer is computed (``integrity.SourceSums``):
-``leg_checksum`` is what a push's done notice carries, ``ready_checksums`` what KvReady does.
+``late_leg_checksum`` is what a push's done notice carries (a ``LegChecksum``, read once they
+are on the host), ``ready_checksums`` what KvReady does.
 
-Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock.
+Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock. A
+``LegChecksum`` holds what it reads (the sums, set once, and values) and is read on the
+transport's poller.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvpush.connector.integrity import SourceSums, checksum, part_checksums
+from kvpush.connector.layout import Slice
 from kvpush.connector.params import TransferParams
 from kvpush.connector.tracing import emit_span, now_ns, tracing_on
 from kvpush.connector.transfer import TransferEvent, TransferState
@@ -59,6 +63,25 @@ _ALLOWED: dict[OutgoingState, frozenset[OutgoingState]] = {
     _O.POSTED: frozenset({_O.SETTLED}),
     _O.SETTLED: frozenset(),
 }
+
+
+@dataclass(frozen=True)
+class LegChecksum:
+    """A push leg's checksum for its done notice (``transfer.LateChecksum``): from block
+    ``first_block`` on (D's hit), slice ``part`` of each; None without D's announcement."""
+
+    sums: SourceSums
+    first_block: int | None
+    part: Slice
+
+    def ready(self) -> bool:
+        return self.sums.ready()
+
+    def value(self) -> int | None:
+        sums = self.sums.value()
+        if sums is None or self.first_block is None:
+            return None
+        return checksum(sums, self.first_block, self.part)
 
 
 @dataclass(eq=False)
@@ -96,14 +119,15 @@ class Outgoing:
         """D's allocation epoch of the blocks announced (every rank's the same; 0: none)."""
         return next((a.alloc_epoch for a in self.announcements.values()), 0)
 
-    def leg_checksum(self, leg: Leg, block_size: int) -> int | None:
-        """The checksum of what ``leg`` writes: our blocks from D's hit on, our slice of each
-        (None: no sums, or the slice is not on their part bounds)."""
-        sums = self.sums.value() if self.sums is not None else None
-        announced = self.announcements.get(leg.peer_rank)
-        if sums is None or announced is None:
+    def late_leg_checksum(self, leg: Leg, block_size: int) -> LegChecksum | None:
+        """The checksum of what ``leg`` writes (our blocks from D's hit on, our slice of each),
+        for its done notice once the sums are on the host (a ``transfer.LateChecksum``, read on
+        the transport's poller; None: the checksum is off)."""
+        if self.sums is None:
             return None
-        return checksum(sums, announced.first_token // block_size, leg.spec.parts[0])
+        announced = self.announcements.get(leg.peer_rank)
+        first = None if announced is None else announced.first_token // block_size
+        return LegChecksum(self.sums, first, leg.spec.parts[0])
 
     def ready_checksums(self) -> list[int] | None:
         """KvReady's: one checksum per equal byte part of a block, over every block."""

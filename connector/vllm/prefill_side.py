@@ -14,7 +14,7 @@ of every D rank that holds its heads. Either way the blocks are released to vLLM
 rule 4), after the bus heard the outcome: KvPushed, KvFailed or AbortAck. With the KV
 checksum on, the block sums of every layer are taken in one pass once the last layer is
 computed (``on_layer_computed``); the done notice of a push (and a KvReady) carries the checksum
-(integrity.py).
+(integrity.py): a push's notice goes once they are on the host, and the forward does not wait.
 
 The per-transfer object and its states are ``outgoing.Outgoing``'s.
 
@@ -276,7 +276,8 @@ class PrefillSide(SideBase[Outgoing, "BlocksAnnounced | Abort"]):
             for leg in out.legs.by_rank.values():
                 if not leg.finished:
                     leg.finished = True
-                    self.transport.finish(leg.transport_id, out.leg_checksum(leg, self.block_size))
+                    late = out.late_leg_checksum(leg, self.block_size)  # read once ready
+                    self.transport.finish(leg.transport_id, late)
             if out.legs.complete or out.stopping is not None:
                 out.advance(OutgoingState.POSTED)
         elif out.params.mode is TransferMode.PULL and out.state is OutgoingState.WAITING:

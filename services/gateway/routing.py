@@ -12,7 +12,9 @@
   the gateway has an index) and its load. Candidates: the override's mode alone when the request
   sets one; LOCAL alone with no live P; while the cost model is cold, the least-loaded policy's
   mode (``--local-threshold`` is the cold-start rule), but LOCAL while a D is idle (it waits for
-  nothing: a hand-off only adds, as the warm model would say); else LOCAL on every D (unless
+  nothing: a hand-off only adds, as the warm model would say) or while every P runs on a D's
+  GPU (``on_decode_gpus``: its prefill takes turns with D's, so a push saves nothing there and
+  adds the hand-off; one cold push made the P99 of a one-GPU run); else LOCAL on every D (unless
   ``local_threshold`` is 0: never LOCAL unasked, in both policies) and the deployment's mode on
   every (P, D) pair. Ties go to the least-loaded worker. The route carries
   a ``RouteExplanation`` (trace attributes, metrics). ``learn`` feeds finished requests back.
@@ -53,7 +55,7 @@ from kvpush.services.gateway.route_choice import (
     prefill_order,
     route_note,
 )
-from kvpush.services.gateway.worker_registry import NoWorkerError, WorkerRegistry
+from kvpush.services.gateway.worker_registry import NoWorkerError, WorkerRegistry, WorkerState
 
 DECODE_ONLY: Final = "_"
 """Prefill id of a LOCAL request published while no prefill worker is alive."""
@@ -165,10 +167,11 @@ class Router:
             modes, reason = (requested,), RouteReason.OVERRIDE
         elif not prefills:
             modes, reason = (TransferMode.LOCAL,), RouteReason.ONLY_LOCAL
-        elif not self.costs.warm:  # the fixed rule, and an idle D computes a prompt itself
+        elif not self.costs.warm:  # the fixed rule; an idle D or a P on D's GPU: LOCAL
             short = prompt_tokens < self.local_threshold
-            idle = self.local_threshold > 0 and any(d.load == 0 for d in decodes)
-            modes = (TransferMode.LOCAL if short or idle else self.default_mode,)
+            idle = any(d.load == 0 for d in decodes) or on_decode_gpus(prefills, decodes)
+            local = short or (idle and self.local_threshold > 0)
+            modes = (TransferMode.LOCAL if local else self.default_mode,)
             reason = RouteReason.COLD
         elif self.local_threshold == 0:  # never LOCAL unless asked: pick the pair by cost
             modes, reason = (self.default_mode,), RouteReason.COST
@@ -273,6 +276,12 @@ class Router:
             return None
         prefill_epoch = self.registry.epoch(WorkerRole.PREFILL, route.prefill_id)
         return WorkerRole.PREFILL if prefill_epoch != route.prefill_epoch else None
+
+
+def on_decode_gpus(prefills: Sequence[WorkerState], decodes: Sequence[WorkerState]) -> bool:
+    """Does every live P run on a GPU that a live D runs on (no P names one: False)?"""
+    gpus = {d.gpu for d in decodes if d.gpu}
+    return bool(prefills) and all(p.gpu in gpus for p in prefills)
 
 
 def first_token_by(choice: WorkerRole, route: Route, sampling: SamplingSpec) -> WorkerRole:

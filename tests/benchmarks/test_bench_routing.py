@@ -77,6 +77,17 @@ def test_routing_systems_are_2p1d_on_one_gpu(tmp_path: Path) -> None:
     assert _value(argv, "--decode-gpu-memory-utilization") == "0.4"
 
 
+def test_the_one_pair_row_is_routed_1p1d_on_either_device(tmp_path: Path) -> None:
+    for device in ("cpu", "cuda"):
+        ctx = BenchContext(tmp_path, "m", tmp_path, device=device, gpu_memory_utilization=0.28)
+        system = KVPUSH_SYSTEMS["kvpush-routed-1p1d"]()
+        argv = system.argv(ctx, 8127)
+        assert "--prefill" not in argv and "--decode" not in argv  # kvpush up's 1P1D
+        assert system.environment() == {"KVPUSH_ROUTING": "routed"}
+        assert "--local-threshold" not in argv and system.request_extra == {}
+    plan.from_args(_args("--systems", "kvpush-routed-1p1d,vllm-serve", "--device", "cpu"))
+
+
 def test_least_loaded_system_keeps_the_old_threshold(tmp_path: Path) -> None:
     system = KVPUSH_SYSTEMS["kvpush-least-loaded"]()
     assert isinstance(system, KvpushLeastLoaded)
@@ -425,6 +436,16 @@ def test_routing_tables_show_p50_p99_and_ratios_over_routed() -> None:
     assert "| c=1 | kvpush-least-loaded | 2.00 | 4.95 |" in text  # the 50% table
     assert "- vllm-push: did not start" in text
     assert text.index("reuse50:1024") < text.index("reuse90:1024")
+
+
+def test_a_table_of_the_one_pair_row_alone_has_ratios_over_it() -> None:
+    document = _document()
+    for found in document.points:
+        if found.system == "kvpush-routed":
+            found.system = "kvpush-routed-1p1d"
+    text = routing_report.body(document)
+    assert "Ratios peer / kvpush-routed-1p1d of the medians" in text
+    assert "| c=4 | vllm-serve | 0.50 | 2.00 |" in text
 
 
 def test_a_table_without_routed_rows_has_no_ratios() -> None:

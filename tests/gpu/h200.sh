@@ -124,7 +124,8 @@ routed-load)
     # vllm-serve's or less up to its knee. One bench run per system (join them with `kvpush
     # bench serve --join`): kvpush-routed's three engines (2P1D) share the GPU, P_SHARE (0.25)
     # each, D D_SHARE if given (else P_SHARE); vllm-serve keeps the bench's default share (its
-    # one engine 0.8, as in issue 29's runs)
+    # one engine 0.8, as in issue 29's runs). SYSTEMS="kvpush-routed-1p1d vllm-serve": the
+    # 1P1D row (P_SHARE=0.283 D_SHARE=0.567: kvpush up's own split of 0.85)
     for name in ${SYSTEMS:-kvpush-routed vllm-serve}; do
         share=(); [ "$name" = vllm-serve ] || share=(--gpu-memory-utilization "${P_SHARE:-0.25}")
         [ "$name" = vllm-serve ] || [ -z "${D_SHARE:-}" ] \

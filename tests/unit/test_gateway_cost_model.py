@@ -232,6 +232,24 @@ def test_while_cold_an_idle_decode_worker_computes_a_long_prompt_and_a_busy_one_
     assert never.route(list(range(4100))).mode is PUSH
 
 
+def test_while_cold_a_p_on_a_d_s_gpu_is_not_pushed_to(registry: WorkerRegistry) -> None:
+    """On one GPU a cold push saves nothing (P's prefill takes turns with D's) and adds the
+    hand-off: while cold, every prompt is LOCAL there; a P on a GPU of its own still pushes."""
+    router = routed(registry)
+    for name in ("p0", "p1"):
+        registry.observe(beat(P, name, sends_first_token=True, gpu="h/gpu0"))
+    for name in ("d0", "d1", "d2"):
+        registry.observe(beat(D, name, in_flight=1, gpu="h/gpu0"))  # busy: not the idle rule
+    route = router.route(list(range(4100)))
+    assert route.mode is LOCAL and route.explanation is not None
+    assert route.explanation.reason is RouteReason.COLD
+    registry.observe(beat(P, "p1", sends_first_token=True, gpu="h/gpu1"))  # a GPU of its own
+    assert router.route(list(range(4100))).mode is PUSH
+    never = Router(registry, PUSH, 0, prefix=FakePrefix({}))  # 0: never LOCAL unasked
+    registry.observe(beat(P, "p1", sends_first_token=True, gpu="h/gpu0"))
+    assert never.route(list(range(4100))).mode is PUSH
+
+
 def test_a_p_on_d_s_own_gpu_takes_turns_with_d_s_waiting_prefills(
     registry: WorkerRegistry,
 ) -> None:

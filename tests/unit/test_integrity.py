@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpush.connector.engine import TransferEngine
 from kvpush.connector.integrity import (
     IntegrityCounts,
     KvSums,
@@ -322,9 +323,65 @@ def test_p_sends_the_checksum_of_the_blocks_d_announced_from_d_s_hit_on() -> Non
         side.on_layer_computed(layer)
         side.on_layer_saved(layer)
     ((args, _),) = rec.called("finish")
-    assert args == (TID, checksum(sums_of(kv, HEADS).all_layers([8, 4])))
+    (tid, late) = args  # the notice waits for it, not the forward
+    assert tid == TID and late.ready()
+    assert late.value() == checksum(sums_of(kv, HEADS).all_layers([8, 4]))
     (start,) = rec.called("start_push")
     assert start[0][-1].alloc == ALLOC  # echoed in every notice of the push
+
+
+class Late:
+    """A done notice's checksum that is ready when told (``transfer.LateChecksum``)."""
+
+    def __init__(self, value: int | Exception) -> None:
+        self.is_ready, self._value = False, value
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def value(self) -> int | None:
+        if isinstance(self._value, Exception):
+            raise self._value
+        return self._value
+
+
+def _pushing(engine: TransferEngine, tid: str, notices: list[tuple[Any, ...]]) -> Transfer:
+    """A push with every WRITE done, its notices recorded instead of sent."""
+    t = engine._new(tid, Role.PUSH, "tcp://d", 5.0)
+    t.to(TransferState.READY, 0.0)
+    engine._notify = lambda t, kind: notices.append((t.transfer_id, kind, t.checksum)) or True  # type: ignore[method-assign]
+    return t
+
+
+def test_a_done_notice_waits_for_its_late_checksum_and_one_that_failed_fails_the_push() -> None:
+    """P's sums run on a side stream past the forward: the done notice polls for them (the
+    forward and the first token do not wait), and a checksum that could not be computed is
+    no done (D recomputes: fail closed)."""
+    agent = SimpleNamespace(notifications=lambda: [])
+    engine = TransferEngine(
+        agent,  # type: ignore[arg-type]
+        pool_layout([[t] for t in pool()]),
+        None,
+        cancel_grace_s=1.0,
+        max_transfers=8,
+        max_early_notices=8,
+        clock=lambda: 1.0,
+    )
+    notices: list[tuple[Any, ...]] = []
+    t = _pushing(engine, "ok", notices)
+    late = Late(1234)
+    engine.finish("ok", late)
+    engine.progress()
+    assert notices == [] and t.state is TransferState.READY  # not yet on the host
+    late.is_ready = True
+    engine.progress()
+    assert notices == [("ok", NoticeKind.DONE, 1234)] and t.state is TransferState.DONE
+    broken = _pushing(engine, "broken", notices)
+    failing = Late(RuntimeError("device lost"))
+    failing.is_ready = True
+    engine.finish("broken", failing)
+    assert broken.state is TransferState.FAILED and "device lost" in broken.detail
+    assert len(notices) == 1  # no done notice for it
 
 
 def test_counts_are_taken_once() -> None:
