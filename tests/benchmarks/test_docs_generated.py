@@ -149,7 +149,7 @@ def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
     from kvpush.benchmarks.serve import report
 
     runs = ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side", "checksum-side-30s")
-    runs += ("checksum-onepass", "checksum-3x")
+    runs += ("checksum-onepass", "checksum-3x", "checksum-late")
     for run in runs:
         folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
         assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
@@ -207,7 +207,16 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
 
 
 @pytest.mark.parametrize(
-    "card", ["h200", "h100", "load-h100", "load-h100-share", "load-h100-turns"]
+    "card",
+    [
+        "h200",
+        "h100",
+        "load-h100",
+        "load-h100-share",
+        "load-h100-turns",
+        "load-h100-1p1d",
+        "load-h100-cold",
+    ],
 )
 def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> None:
     """docs/benchmarks/routing/<card>.md (issue 32 on one GPU: tests/gpu/h200.sh routing; its
@@ -221,20 +230,26 @@ def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> No
 
 
 @pytest.mark.parametrize(
-    ("run", "decode_share"),
-    [("load-h100", None), ("load-h100-share", 0.4), ("load-h100-turns", 0.4)],
+    ("run", "system", "share", "decode_share"),
+    [
+        ("load-h100", "kvpush-routed", 0.25, None),
+        ("load-h100-share", "kvpush-routed", 0.25, 0.4),
+        ("load-h100-turns", "kvpush-routed", 0.25, 0.4),
+        ("load-h100-cold", "kvpush-routed", 0.25, 0.4),
+        ("load-h100-1p1d", "kvpush-routed-1p1d", 0.283, 0.567),
+    ],
 )
 def test_the_routed_load_runs_are_the_join_of_their_parts(
-    run: str, decode_share: float | None
+    run: str, system: str, share: float, decode_share: float | None
 ) -> None:
     """docs/benchmarks/routing/load-h100*.json: kvpush-routed and vllm-serve, each run alone on
     its own GPU memory share (tests/gpu/h200.sh routed-load), joined with --join."""
     from kvpush.benchmarks.serve import join, results
 
     folder = DOCS / "benchmarks" / "routing"
-    parts = [folder / run / "parts" / f"{name}.json" for name in ("kvpush-routed", "vllm-serve")]
+    parts = [folder / run / "parts" / f"{name}.json" for name in (system, "vllm-serve")]
     joined = join.join([join.load_part(p) for p in parts])
     committed = results.load(folder / f"{run}.json")
     assert committed.points == joined.points and committed.meta == joined.meta
-    assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.4, "kvpush-routed": 0.25}
+    assert joined.meta["gpu_memory_utilization"] == {"vllm-serve": 0.4, system: share}
     assert joined.meta.get("decode_gpu_memory_utilization") == decode_share
