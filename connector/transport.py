@@ -344,7 +344,8 @@ class KvTransport:
 
     def poll_interval(self, busy_s: float, target_s: float, idle_s: float) -> float:
         """How soon progress is needed: ``busy_s`` while a transfer's end is awaited (every
-        request posted and some still live: the push tail, a pull's READ) or a handshake is
+        request posted and some still live: the push tail, a pull's READ; or its done notice
+        waits for a late checksum) or a handshake is
         pending; ``target_s`` while only WRITEs of a prefill still computing are live (nobody
         waits for them yet; polling them at ``busy_s`` took P's core from its forward: P's
         prefill ran up to 2.5x slower under load, docs/benchmarks/serve.md) or a notice is
