@@ -25,8 +25,11 @@
 # prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
 # routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
 # load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x; P_SHARE,
-# D_SHARE). Every step first unpacks the bundle once (/tmp/site) and makes kvpush importable
-# from this tree (/tmp/kp); results go under OUT.
+# D_SHARE; REPEATS). Every step first unpacks the bundle once (/tmp/site) and makes kvpush
+# importable from this tree (/tmp/kp); results go under OUT. RESUME=<folder> (checksum,
+# routed-load): a carried folder with an earlier call's run folders (checksum/,
+# routed-load-<system>/, each with its results.partial.json): those runs go on with --resume
+# (repeats that did not fit one call's 10 minutes).
 set -u
 step=${1:?STEP}
 out=${2:?OUT}
@@ -53,6 +56,13 @@ ENGINES=(bench serve --device cuda --model llama-8b --client vllm --repeats 1 --
     --tables random:2048,random:8192,prefix:2048 --qps auto --capacity 2048=19,8192=4.6
     --fractions 0.25,0.5,1.0 --concurrency 1 --duration "${DURATION:-10}" --min-requests 8
     --time-budget "${BUDGET:-560}")
+
+# `--resume` (and the run's folder copied under OUT) when RESUME holds the run folder $1
+resume_flags() {
+    if [ -n "${RESUME:-}" ] && [ -d "$RESUME/$1" ]; then
+        cp -r "$RESUME/$1" "$out/$1" && echo --resume
+    fi
+}
 
 case $step in
 ipc)
@@ -96,7 +106,7 @@ checksum)
         --capacity 2048=19 --fractions "${FRACTIONS:-0.25,0.5}" --concurrency 1 \
         --duration "${DURATION:-10}" --min-requests "${MIN_REQUESTS:-8}" \
         --time-budget "${BUDGET:-540}" --systems kvpush-push,kvpush-push-unchecked \
-        --out-dir "$out/checksum" > "$out/checksum.log" 2>&1
+        --out-dir "$out/checksum" $(resume_flags checksum) > "$out/checksum.log" 2>&1
     echo "checksum rc=$?"; tail -8 "$out/checksum.log"
     tar czf "$out/checksum.tgz" -C "$out" checksum && rm -rf "$out/checksum"
     ;;
@@ -131,10 +141,12 @@ routed-load)
         [ "$name" = vllm-serve ] || [ -z "${D_SHARE:-}" ] \
             || share+=(--decode-gpu-memory-utilization "$D_SHARE")
         timeout 285 setsid python3 -m kvpush.services.cli bench serve --device cuda \
-            --model llama-8b --client vllm --repeats 1 --output-len 64 --tables random:2048 \
+            --model llama-8b --client vllm --repeats "${REPEATS:-1}" --output-len 64 \
+            --tables random:2048 \
             --qps auto --capacity 2048=19 --fractions 0.25,0.5,1.0 --concurrency 1 \
             --duration "${DURATION:-10}" --min-requests 16 "${share[@]}" --time-budget 270 \
-            --systems "$name" --out-dir "$out/routed-load-$name" > "$out/routed-load-$name.log" 2>&1
+            --systems "$name" --out-dir "$out/routed-load-$name" \
+            $(resume_flags "routed-load-$name") > "$out/routed-load-$name.log" 2>&1
         echo "routed-load $name rc=$?"; tail -8 "$out/routed-load-$name.log"
         tar czf "$out/routed-load-$name.tgz" -C "$out" "routed-load-$name" \
             && rm -rf "$out/routed-load-$name"
