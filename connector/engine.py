@@ -245,7 +245,7 @@ class TransferEngine:
         t = self.get(transfer_id)
         t.finish_requested = True
         if isinstance(checksum, int) or checksum is None:
-            t.checksum = checksum
+            t.checksum, t.late_checksum = checksum, None
         else:
             t.late_checksum = checksum  # the notice waits for it (polled, never waited on)
         self._maybe_complete(t, self.clock())

@@ -32,8 +32,10 @@ Also here: ``Outcome`` (what verifying a receive concluded) and ``IntegrityCount
 half's outcomes and stale words, taken with each step's output).
 
 Threading model: ``KvSums`` holds no mutable state but its side stream (D calls ``all_layers``
-from one thread, the engine's); a ``SourceSums`` is filled on the forward thread and read after
-its last layer, under the prefill side's lock. ``IntegrityCounts`` is safe from any thread.
+from one thread, the engine's); a ``SourceSums`` is filled on the forward thread; after its last
+layer a push's done notice reads it under the transport's lock (``ready``, then ``value``: on the
+poller, or the thread that calls ``finish``), a pull's KvReady under the prefill side's lock.
+``IntegrityCounts`` is safe from any thread.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ class Pending:
 
     def ready(self) -> bool:
         """Are they on the host (``value`` would not wait)?"""
-        return self._event is None or bool(self._event.query())
+        event = self._event  # read once: ``value`` clears it
+        return event is None or bool(event.query())
 
     def value(self) -> np.ndarray:
         if self._event is not None:

@@ -1,7 +1,8 @@
 """``Poller``: drives a ``KvTransport`` from its own thread (there is no NIXL progress thread).
 
 It calls ``transport.poll()`` and sleeps as long as ``transport.poll_interval`` allows: busy
-(``busy_interval_s``) while NIXL requests are live or a handshake is pending, ``target_interval_s``
+(``busy_interval_s``) while NIXL requests are live, a handshake is pending or a done notice waits
+for P's late checksum (``transfer.LateChecksum``), ``target_interval_s``
 while a completion notice is expected, ``idle_interval_s`` otherwise, so a push waiting for its
 next layer does not steal the engine's core. The transport wakes it on every post, expect, abort
 or acknowledgement (``transport.on_change``). Events go to a bounded queue; when it is full the

@@ -357,7 +357,8 @@ class KvTransport:
             for t in self._engine.transfers.values():
                 if t.initiator and t.state is TransferState.WAITING_PEER:
                     return busy_s
-                late = t.late_checksum is not None  # the notice waits for P's sums only
+                # the notice waits for P's sums only (an aborting one sends none)
+                late = t.late_checksum is not None and t.state is not TransferState.ABORTING
                 if t.initiator and (live or late) and t.finish_requested and not t.state.terminal:
                     return busy_s
                 if not t.initiator and not t.state.terminal and t.imminent:

@@ -336,8 +336,9 @@ class KvpushRouted(KvpushRoutedSystem):
 
 
 class KvpushRoutedOnePair(KvpushRouted):
-    """``kvpush-routed`` as one P and one D: on one GPU, where the policy keeps prompts LOCAL,
-    what a second P's weights and share would hold goes to D (an extra labelled row)."""
+    """``kvpush-routed`` as one P and one D (an extra labelled row): on one GPU, where the
+    policy keeps prompts LOCAL, the run can give D what a second P's weights and share would
+    hold (``--decode-gpu-memory-utilization``; tests/gpu/h200.sh routed-load's D_SHARE)."""
 
     name = "kvpush-routed-1p1d"
     prefill_workers = 1

@@ -21,8 +21,8 @@ KV checksum's block sums once the last layer is computed (``integrity.SourceSums
 are on the host), ``ready_checksums`` what KvReady does.
 
 Threading model: none; ``PrefillSide`` owns these objects and changes them under its lock. A
-``LegChecksum`` holds what it reads (the sums, set once, and values) and is read on the
-transport's poller.
+``LegChecksum`` holds what it reads (the sums, set once, and values) and is read under the
+transport's lock (its poller, or the thread that calls ``finish``).
 """
 
 from __future__ import annotations

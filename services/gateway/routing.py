@@ -169,8 +169,8 @@ class Router:
             modes, reason = (TransferMode.LOCAL,), RouteReason.ONLY_LOCAL
         elif not self.costs.warm:  # the fixed rule; an idle D or a P on D's GPU: LOCAL
             short = prompt_tokens < self.local_threshold
-            idle = any(d.load == 0 for d in decodes) or on_decode_gpus(prefills, decodes)
-            local = short or (idle and self.local_threshold > 0)
+            spare = any(d.load == 0 for d in decodes) or on_decode_gpus(prefills, decodes)
+            local = short or (spare and self.local_threshold > 0)
             modes = (TransferMode.LOCAL if local else self.default_mode,)
             reason = RouteReason.COLD
         elif self.local_threshold == 0:  # never LOCAL unless asked: pick the pair by cost
@@ -279,7 +279,9 @@ class Router:
 
 
 def on_decode_gpus(prefills: Sequence[WorkerState], decodes: Sequence[WorkerState]) -> bool:
-    """Does every live P run on a GPU that a live D runs on (no P names one: False)?"""
+    """Does every live P run on a GPU that a live D runs on (no P names one: False)? Any D:
+    while cold, a fleet of P and D pairs on shared GPUs computes every prompt on D, also
+    where a P could push to a D on another GPU."""
     gpus = {d.gpu for d in decodes if d.gpu}
     return bool(prefills) and all(p.gpu in gpus for p in prefills)
 
