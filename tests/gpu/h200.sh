@@ -19,7 +19,7 @@
 # default 10 (engines takes it too), REPEATS (1), MIN_REQUESTS (8), BUDGET (540: start no system
 # past it)); checksum-cost: `kvpush bench checksum` on the GPU, TTFT=...; checksum-c1: c=1
 # only, MIN_REQUESTS (40) requests, REPEATS (1) repeats, systems in turn), soak (issue 31: the
-# chaos soak, 2 P + 1 D of the 8B shape on the GPU, MINUTES of load and faults, default 8, cut to
+# chaos soak, 2 P + 1 D of the 8B shape on the GPU (PREFILL, DECODE), MINUTES of load and faults, default 8, cut to
 # fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue 32: kvpush-routed,
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
 # prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
@@ -82,9 +82,11 @@ soak)
     # LIMIT: the step's seconds in all (default 570; less when the session's device time is)
     # KV_GIB: each engine's KV cache (default 8; 4 lets the three fit an 80 GiB card)
     # DECODE: decode workers (default 1; 2, on an H200 with KV_GIB=4: a D fault costs no answer)
+    # PREFILL: prefill workers (default 2; PREFILL=1 DECODE=2 KV_GIB=4 is three engines, which fit
+    # an 80 GiB card: the decode faults with a second D to take over)
     mark="soak-$$-$RANDOM" limit=$((${LIMIT:-570} - SECONDS))
     KVPUSH_SOAK_MARK=$mark timeout "$limit" setsid python3 -m kvpush.services.cli bench soak \
-        --device cuda --model llama-8b --prefill 2 --decode "${DECODE:-1}" --minutes "${MINUTES:-8}" \
+        --device cuda --model llama-8b --prefill "${PREFILL:-2}" --decode "${DECODE:-1}" --minutes "${MINUTES:-8}" \
         --fault-every 60 --faults "${FAULTS:-kill_prefill,kill_decode,stop_prefill,stop_decode,restart_nats}" \
         --prompts 120 --prompt-tokens 2048 --kv-cache-gib "${KV_GIB:-8}" --time-budget $((limit - 30)) --json "$out/soak-h200.json" \
         --log-dir "$out/soak-logs" > "$out/soak.log" 2>&1
