@@ -149,7 +149,7 @@ def test_the_integrity_runs_reports_are_what_their_json_generates() -> None:
     from kvpush.benchmarks.serve import report
 
     runs = ("checksum", "checksum-c1", "checksum-c1-side", "checksum-side", "checksum-side-30s")
-    runs += ("checksum-onepass", "checksum-3x", "checksum-late")
+    runs += ("checksum-onepass", "checksum-3x", "checksum-late", "checksum-half")
     for run in runs:
         folder = DOCS / "benchmarks" / "gpu-serve" / "integrity" / run
         assert report.check_doc(folder / "results.md", folder / "results.json") is None, run
@@ -216,6 +216,7 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
         "load-h100-turns",
         "load-h100-1p1d",
         "load-h100-cold",
+        "load-h100-1p1d-3x",
     ],
 )
 def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> None:
@@ -237,6 +238,7 @@ def test_routing_gpu_md_is_what_the_committed_gpu_run_generates(card: str) -> No
         ("load-h100-turns", "kvpush-routed", 0.25, 0.4),
         ("load-h100-cold", "kvpush-routed", 0.25, 0.4),
         ("load-h100-1p1d", "kvpush-routed-1p1d", 0.283, 0.567),
+        ("load-h100-1p1d-3x", "kvpush-routed-1p1d", 0.283, 0.567),
     ],
 )
 def test_the_routed_load_runs_are_the_join_of_their_parts(

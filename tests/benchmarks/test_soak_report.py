@@ -169,10 +169,23 @@ def test_a_report_before_the_killer_renders_without_the_fault_table() -> None:
     assert "on 1 prefill + 1 decode workers" in table and "Each fault measured" not in table
 
 
-def test_the_committed_soak_table_is_the_one_its_json_generates() -> None:
-    committed = report.load(DOCS / "reliability-soak.json")
+@pytest.mark.parametrize(
+    "run",
+    [
+        "reliability-soak.json",
+        "reliability-soak-h200.json",
+        "reliability-soak-h200-2.json",
+        "reliability-soak-h200-3.json",
+        "reliability-soak-h200-4.json",
+    ],
+)
+def test_the_committed_soak_tables_are_the_ones_their_json_generates(run: str) -> None:
+    """docs/reliability.md's soak sections: the CPU soak and each GPU run, one section each."""
+    committed = report.load(DOCS / run)
     doc = (DOCS / "reliability.md").read_text()
-    assert docgen.section(doc, report.SECTION) == report.markdown(committed)
+    name, command = report.section_of(committed, Path("docs") / run)
+    assert f"--report docs/{run}" in command
+    assert docgen.section(doc, name) == report.markdown(committed)
     assert report.failures(committed) == committed.failures  # the verdict follows the data
     assert committed.passed, committed.failures
 
