@@ -44,7 +44,9 @@ import enum
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -146,20 +148,35 @@ def from_parts(checksums: Sequence[int], part: Slice) -> int | None:
 
 
 class Pending:
-    """Block sums on their way to the host: ``value`` once the copy ran (waits if not yet)."""
+    """Block sums on their way to the host: ``value`` once the copy ran (waits if not yet).
 
-    def __init__(self, host: Any, event: Any = None) -> None:
+    ``on_device`` (CUDA): a context manager that makes the KV's GPU the calling thread's
+    current device. ``ready`` and ``value`` run on threads vLLM never set a device on (the
+    transport's poller, the gate); without it the CUDA runtime's first call there binds the
+    thread to GPU 0, and a TP rank on another GPU would open a context on GPU 0."""
+
+    def __init__(
+        self,
+        host: Any,
+        event: Any = None,
+        on_device: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
         self._host = host
         self._event = event
+        self._on_device = on_device
 
     def ready(self) -> bool:
         """Are they on the host (``value`` would not wait)?"""
         event = self._event  # read once: ``value`` clears it
-        return event is None or bool(event.query())
+        if event is None:
+            return True
+        with self._on_device():
+            return bool(event.query())
 
     def value(self) -> np.ndarray:
         if self._event is not None:
-            self._event.synchronize()
+            with self._on_device():
+                self._event.synchronize()
             self._event = None
         return self._host.numpy()
 
@@ -251,7 +268,7 @@ class KvSums:
         host.copy_(sums, non_blocking=True)
         event = self._torch.cuda.Event()
         event.record()
-        return Pending(host, event)
+        return Pending(host, event, partial(self._torch.cuda.device, self.device))
 
     def all_layers(self, ids: Sequence[int]) -> np.ndarray:
         """``[L, R, n, parts]`` sums of blocks ``ids`` now (D: what landed); on CUDA on a side

@@ -9,7 +9,9 @@ WRITEs of layer i overlap the computation of layers i+1.. and never read unwritt
 handed on, so a step's layers are all posted before the next step's work replaces them.
 
 Threading model: ``record`` and ``drain`` on the forward thread; ``on_ready`` runs on the
-gate's own thread (``kvpush-layer-gate``), which takes no lock of its own.
+gate's own thread (``kvpush-layer-gate``), which takes no lock of its own. That thread first makes
+the KV's GPU its current device (``device``): a TP rank on another GPU than 0 opens no context on
+GPU 0 with its first CUDA call there.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class LayerGate:
-    def __init__(self, on_ready: Callable[[int], None]) -> None:
+    def __init__(self, on_ready: Callable[[int], None], device: Any = None) -> None:
         import torch
 
         self._torch = torch
         self._on_ready = on_ready
+        self._device = device  # the KV's GPU (None: the thread's default)
         self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvpush-layer-gate", daemon=True)
@@ -48,6 +51,11 @@ class LayerGate:
             self._queue.join()
 
     def _run(self) -> None:
+        if self._device is not None:
+            try:
+                self._torch.cuda.set_device(self._device)
+            except Exception:  # layers are still handed on, from the thread's default device
+                log.exception("kvpush: the layer gate could not use the KV's GPU")
         while True:
             item = self._queue.get()
             try:

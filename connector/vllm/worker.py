@@ -127,7 +127,7 @@ class WorkerHalf:
                 s, self.transport, self.bus, rt, rank, len(names), self.block_size, sums
             )
             if layout.mem_type is MemType.VRAM:
-                self._gate = LayerGate(self._layer_ready)
+                self._gate = LayerGate(self._layer_ready, self.kv_layers[0].device)
         else:
             self.decode = DecodeSide(s, self.transport, self.bus, rt, rank, self.block_size, sums)
         rt.info = ConnectorInfo(

@@ -384,6 +384,56 @@ def test_a_done_notice_waits_for_its_late_checksum_and_one_that_failed_fails_the
     assert len(notices) == 1  # no done notice for it
 
 
+def test_p_s_sums_are_awaited_on_the_kv_s_gpu_from_any_thread() -> None:
+    """The poller and the gate are threads vLLM never set a device on: querying or waiting for
+    the sums' event there runs with the KV's GPU current (a TP rank on GPU 3 must not open a
+    context on GPU 0)."""
+    from contextlib import contextmanager
+
+    from kvpush.connector.integrity import Pending
+
+    seen: list[tuple[str, bool]] = []
+    on_device = [False]
+
+    @contextmanager
+    def kv_gpu() -> Any:
+        on_device[0] = True
+        try:
+            yield
+        finally:
+            on_device[0] = False
+
+    class Event:
+        def query(self) -> bool:
+            seen.append(("query", on_device[0]))
+            return True
+
+        def synchronize(self) -> None:
+            seen.append(("synchronize", on_device[0]))
+
+    pending = Pending(torch.arange(3), Event(), kv_gpu)
+    assert pending.ready() and pending.value().tolist() == [0, 1, 2]
+    assert seen == [("query", True), ("synchronize", True)]
+    assert pending.ready() and seen == [("query", True), ("synchronize", True)]  # read once
+
+
+def test_the_layer_gate_s_thread_makes_the_kv_s_gpu_its_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from kvpush.connector.vllm.gate import LayerGate
+
+    made: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: made.append((d, threading.current_thread().name))
+    )
+    gate = LayerGate(lambda layer: None, "cuda:3")
+    gate.close()
+    gate._thread.join()  # close waits a bounded time; this test waits for the thread itself
+    assert made == [("cuda:3", "kvpush-layer-gate")]
+
+
 def test_counts_are_taken_once() -> None:
     counts = IntegrityCounts()
     counts.record("a", Outcome.MISMATCH)
