@@ -5,8 +5,9 @@ A ``Router`` in the routed policy over 16 workers (8 prefill, 8 decode: fake hea
 varied loads) and the gateway's real prefix index (``services/gateway/prefix_index.PrefixIndex``,
 fed ``CacheEvents`` as the workers send them) holding ``--prefixes`` cached prefixes (random
 prompts of 256-1024 tokens, spread over the 16 workers). The cost model is warmed with
-measurements first, so every decision scores every candidate (LOCAL on each D, push on each
-(P, D) pair) rather than the cold rule's few. For each prompt length and prefix-hit share (the
+measurements first, so every decision weighs every candidate (LOCAL on each D, push on each
+(P, D) pair; ``route_choice`` ranks those that can be among the cheapest few) rather than the
+cold rule's few. For each prompt length and prefix-hit share (the
 share of the prompt's leading blocks one D and one P hold), ``route(token_ids)`` is timed
 ``--repeats`` times, one call at a time (heartbeats re-sent, untimed, every
 ``BEAT_EVERY`` calls so the loads stay put), then again with the index at its bound (where a
@@ -119,7 +120,7 @@ class Fleet:
 
 
 def warm(costs: Any) -> None:
-    """Measurements enough for the routed policy to compare modes (every candidate scored)."""
+    """Measurements enough for the routed policy to compare modes (every candidate weighed)."""
     from kvpush.schemas.messages import KvPushed, Timing, TransferMode
 
     ms = 1_000_000
@@ -286,7 +287,7 @@ def table(results: dict[str, Any]) -> str:
         f"Routed policy, {meta['workers']['prefill']} P + {meta['workers']['decode']} D,"
         f" {meta['index']} holding {meta['prefixes']} cached prefixes"
         f" ({meta['index_entries']} block entries, {meta['block_size']}-token blocks),"
-        f" warm cost model (every candidate scored); {meta['repeats']} timed calls per row on"
+        f" warm cost model (every candidate weighed); {meta['repeats']} timed calls per row on"
         f" {meta['machine']} (Python {meta['python']}); run {meta['stamp']} at {meta['revision']}."
         " The look-up hashes the prompt's first block, and when some worker holds it the whole"
         " prompt (it grows with the prompt, from one conversion of its token list); each"

@@ -18,12 +18,17 @@ routing decision hashes an 8k-token prompt in tens of microseconds. It is no cry
 a crafted prompt can collide with another. A collision only misleads routing (the engine checks
 its own hashes before it reuses a block), never the KV.
 
+The prefix index hashes every prompt it is asked about with a ``PromptHasher`` (one per block
+size: the first block alone, then, where some worker holds that, the whole chain from the
+root, with that block size's tables of block ends kept contiguous).
+
 Threading model: none (pure functions over read-only tables; ``BlockHasher`` is a value of one
-caller).
+caller, ``PromptHasher`` is read-only once made).
 """
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import Final
@@ -113,6 +118,52 @@ def iter_block_hashes(
         return
     yield first[0]
     yield from block_hashes(token_ids[block_size:], block_size, first[0])
+
+
+class PromptHasher:
+    """A prompt's hashes from ``ROOT`` for one block size, that size's tables kept: ``first``
+    hashes the first block alone in one C-level pass over its tokens (``H = ROOT * BASE**n +
+    sum_j (t_j + 1) * BASE**(n - 1 - j)`` modulo 2**64, ``n`` the block size; ``BlockHasher``
+    steps a token at a time), ``chain`` every whole block as ``chain_hashes(token_ids, n)``
+    does, with the root's and the ones' part and the powers at each block's end read from
+    contiguous tables (not every ``n``-th entry of the token tables)."""
+
+    __slots__ = ("_end_powers", "_end_sums", "_first_constant", "_first_powers", "block_size")
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        self.block_size = block_size
+        self._first_powers = [pow(BASE, block_size - 1 - j, 1 << 64) for j in range(block_size)]
+        # the root's part and every token's "+ 1"
+        first = ROOT * pow(BASE, block_size, 1 << 64) + sum(self._first_powers)
+        self._first_constant = first & _MASK
+        ends = slice(block_size - 1, TABLE_TOKENS, block_size)  # each block's last token
+        self._end_powers = np.ascontiguousarray(_POWERS[ends])
+        self._end_sums = _INVERSE_SUMS[ends] + np.uint64(ROOT)  # the ones' part and the root's
+        self._end_powers.flags.writeable = self._end_sums.flags.writeable = False
+
+    def first(self, token_ids: Sequence[int]) -> int:
+        """The hash of the first ``block_size`` tokens of ``token_ids`` (the rest are not read:
+        ``map`` stops at the powers' end, no slice of the prompt is copied)."""
+        if len(token_ids) < self.block_size:
+            raise ValueError(f"a block has {self.block_size} tokens, not {len(token_ids)}")
+        products = sum(map(operator.mul, token_ids, self._first_powers))
+        return _signed((products + self._first_constant) & _MASK)
+
+    def chain(self, token_ids: Sequence[int]) -> np.ndarray:
+        """``chain_hashes(token_ids, block_size)``."""
+        block_size = self.block_size
+        whole = len(token_ids) - len(token_ids) % block_size
+        if whole == 0 or whole > TABLE_TOKENS:
+            return chain_hashes(token_ids, block_size)
+        blocks = whole // block_size
+        tokens = np.frombuffer(_words(token_ids), dtype=np.uint64, count=whole)
+        tokens *= _INVERSE_POWERS[:whole]  # as chain_hashes, in place: the words are this call's
+        np.add.accumulate(tokens, out=tokens)
+        sums = np.add(tokens[block_size - 1 :: block_size], self._end_sums[:blocks])
+        sums *= self._end_powers[:blocks]
+        return sums.view(np.int64)
 
 
 class BlockHasher:

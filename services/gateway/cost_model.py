@@ -62,27 +62,44 @@ while P computes, and a push landing during them waits) and for steps: a D busy 
 and an idle P favour a transfer, yet a push to a D with more prefills queued than P's work is
 no cheaper than they are.
 
-The estimate splits into a P part and a D share (``prefill_parts``; ``local_parts`` or
-``transfer_shares``, each over the workers' ``view``, load and prompt tokens missing from their
-prefix cache): a transfer's total is ``share.total(P part)``, which grows with the P part, so
-the cheapest pair is the cheapest P with the D whose share is cheapest for it, and the router
-finds it in O(P + D) rather than O(P * D) (for a D on that P's GPU: that P in turns, or the
-cheapest P elsewhere; ``route_choice.choose``).
+The estimate splits into a P part and a D share (``prefill_parts``; ``decode_parts``: LOCAL's
+estimate and the transfer share, each over the workers' ``view``, load and prompt tokens missing
+from their prefix cache): a transfer's total is ``share.total(P part)``, which grows with the P
+part, so the cheapest pair is the cheapest P with the D whose share is cheapest for it, and the
+router finds it in O(P + D) rather than O(P * D) (for a D on that P's GPU: that P in turns, or
+the cheapest P elsewhere; ``route_choice.choose``).
 
 Threading model: the gateway's event loop only (learning and estimating); no locks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
 from kvpush.connector import BoundedDict
 from kvpush.schemas.messages import KvPushed, Timing, TransferMode
-from kvpush.services.gateway.cost_terms import Candidate, Estimate, TransferShare, WorkerView
+from kvpush.services.gateway.cost_terms import (
+    Candidate,
+    DecodeRow,
+    Estimate,
+    PrefillRow,
+    ShareTerms,
+    TransferShare,
+    WorkerView,
+)
 
-__all__ = ["Candidate", "CostModel", "Estimate", "TransferShare", "WorkerView"]
+__all__ = [
+    "Candidate",
+    "CostModel",
+    "DecodeRow",
+    "Estimate",
+    "PrefillRow",
+    "ShareTerms",
+    "TransferShare",
+    "WorkerView",
+]
 
 PRIOR_PREFILL_TOKENS_PER_S: Final = 20_000.0
 """Prompt tokens per second a worker prefills before any is measured (an 8B model on one H200
@@ -180,11 +197,6 @@ class CostModel:
         self._views[worker_id] = found
         return found
 
-    def views(self, worker_ids: Iterable[str]) -> list[WorkerView]:
-        """``view`` of each worker (the memo read inline: the router asks it of every worker)."""
-        memo = self._views
-        return [memo.get(w) or self.view(w) for w in worker_ids]
-
     def compute_ms(self, worker_id: str, tokens: int) -> float:
         return max(tokens, 0) * self.view(worker_id).ms_per_token
 
@@ -200,54 +212,40 @@ class CostModel:
     def _tail_share(self, mode: TransferMode) -> float:
         return self.push_tail_share.value if mode is TransferMode.PUSH else 1.0
 
-    def prefill_parts(
-        self, views: Sequence[WorkerView], loads: Sequence[int], missing: Sequence[int]
-    ) -> list[float]:
-        """Each P's share of a push/pull estimate: its wait and its compute. Per P: its ``view``,
-        its load, and the prompt tokens its prefix cache lacks (at least 0)."""
+    def prefill_parts(self, prefills: Iterable[PrefillRow]) -> list[float]:
+        """Each P's share of a push/pull estimate: its wait and its compute. Per P: its id (its
+        ``view``), its load and the prompt tokens its prefix cache lacks (at least 0)."""
+        memo, view = self._views, self.view  # the memo read inline: asked of every P
         return [
-            load * w.service_ms + tokens * w.ms_per_token
-            for w, load, tokens in zip(views, loads, missing, strict=True)
-        ]
-
-    def local_parts(
-        self,
-        views: Sequence[WorkerView],
-        loads: Sequence[int],
-        missing: Sequence[int],
-        running: Sequence[int],
-    ) -> list[float]:
-        """Each D's LOCAL estimate. Per D: its ``view``, its load, the prompt tokens its prefix
-        cache lacks (at least 0) and its requests past their first token (``running``, part of
-        its load)."""
-        base = self.local_overhead_ms.value
-        return [  # (load - run if load > run else 0): max(0, load - run), without a call per D
-            base
-            + (load - run if load > run else 0) * w.service_ms
-            + run * w.join_ms
+            load * (w := memo.get(worker_id) or view(worker_id)).service_ms
             + tokens * w.ms_per_token
-            for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
+            for worker_id, load, tokens in prefills
         ]
 
-    def transfer_shares(
-        self,
-        mode: TransferMode,
-        views: Sequence[WorkerView],
-        loads: Sequence[int],
-        missing: Sequence[int],
-        running: Sequence[int],
-    ) -> list[TransferShare]:
-        """Each D's share of a push/pull estimate (the hand-off, the transfer's tail of what D
-        lacks, D's waiting prefills and its steps), over what ``local_parts`` takes."""
-        base, tail_per_token = self.handoff_ms.value, self._tail_share(mode) * self.transfer_ms(1)
-        return [
-            TransferShare(
-                base + (1 + run) * w.step_ms,
-                tokens * tail_per_token,
-                (load - run if load > run else 0) * w.service_ms,  # as in local_parts
-            )
-            for w, load, tokens, run in zip(views, loads, missing, running, strict=True)
-        ]
+    def decode_parts(
+        self, transfer: TransferMode | None, decodes: Iterable[DecodeRow]
+    ) -> tuple[list[float], list[ShareTerms]]:
+        """Each D's LOCAL estimate and, for a ``transfer`` mode (push or pull; None: none), its
+        share of that mode's estimate (the hand-off, the transfer's tail of what D lacks, D's
+        waiting prefills and its steps: a ``TransferShare``'s fields, as a plain tuple), in one
+        pass. Per D: its id (its ``view``), its load, its requests past their first token (part
+        of its load) and the prompt tokens its prefix cache lacks (at least 0)."""
+        memo, view = self._views, self.view  # the memo read inline: asked of every D
+        base = self.local_overhead_ms.value
+        handoff = self.handoff_ms.value
+        tail_per_token = (
+            0.0 if transfer is None else self._tail_share(transfer) * self.transfer_ms(1)
+        )
+        parts: list[float] = []
+        shares: list[ShareTerms] = []
+        for worker_id, load, run, tokens in decodes:
+            ms_per_token, service_ms, step_ms, join_ms = memo.get(worker_id) or view(worker_id)
+            # D's waiting prefills: max(0, load - run) of them, without a call per D
+            waiting = (load - run if load > run else 0) * service_ms
+            parts.append(base + waiting + run * join_ms + tokens * ms_per_token)
+            if transfer is not None:
+                shares.append((handoff + (1 + run) * step_ms, tokens * tail_per_token, waiting))
+        return parts, shares
 
     def estimate(self, c: Candidate) -> Estimate:
         """``c``'s estimated TTFT (ms) and its terms; see the module docstring."""

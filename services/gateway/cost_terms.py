@@ -47,6 +47,17 @@ class Estimate(NamedTuple):
         return f"{self.candidate.label} {self.total_ms:.1f}ms"
 
 
+PrefillRow = tuple[str, int, int]
+"""What ``CostModel.prefill_parts`` reads of one P: its id, its load and the prompt tokens its
+prefix cache lacks (a plain tuple: the router makes one per P per request)."""
+DecodeRow = tuple[str, int, int, int]
+"""What ``CostModel.decode_parts`` reads of one D: its id, its load, its requests past their
+first token (part of its load) and the prompt tokens its prefix cache lacks."""
+ShareTerms = tuple[float, float, float]
+"""A ``TransferShare``'s fields as a plain tuple (``CostModel.decode_parts`` makes one per D per
+request: no NamedTuple each; ``TransferShare(*terms)`` where its methods are wanted)."""
+
+
 class TransferShare(NamedTuple):
     """One D's share of a push/pull estimate: its total for a P part is ``total(p)``."""
 
@@ -64,7 +75,7 @@ class TransferShare(NamedTuple):
         return self.fixed + prefill_part + self.tail + self.wait
 
     @staticmethod
-    def totals(shares: Iterable[TransferShare], prefill_part: float) -> list[float]:
+    def totals(shares: Iterable[ShareTerms], prefill_part: float) -> list[float]:
         """Each share's ``total(prefill_part)``, in one pass (no call per share)."""
         return [
             fixed + (wait if wait > (part := prefill_part + tail) else part)

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from kvpush.schemas.messages import CacheEvents
-from kvpush.schemas.prefix import BlockHasher, chain_hashes
+from kvpush.schemas.prefix import PromptHasher
 
 DEFAULT_MAX_BLOCKS: Final = 500_000  # about 140 bytes each: 70 MB at most
 MAX_WORKERS: Final = 4096
@@ -111,6 +111,7 @@ class PrefixIndex:
         self._dropped_entries = 0
         self._fair_share = 0  # what _at_share was built for
         self._at_share: OrderedDict[str, None] = OrderedDict()  # workers holding >= it
+        self._hasher: PromptHasher | None = None  # for block_size, made on the first look-up
 
     def __len__(self) -> int:
         """(worker, prefix hash) entries held."""
@@ -130,30 +131,34 @@ class PrefixIndex:
         """Leading tokens of ``token_ids`` (whole blocks) each of ``workers`` holds, by worker
         id; workers holding none are left out. The first block is hashed alone (a prompt no
         worker holds costs one block's hash); for the workers holding it, the prompt's whole
-        chain at once (``schemas.prefix.chain_hashes``), and each one's depth is found by a
-        binary search over the chain: O(log blocks) look-ups, not one per block. That reads a
-        worker's chain as held from its root up to some block, as vLLM keeps it (it frees a
-        request's blocks last first, so a chain loses its tail first); a hole in a chain (the
-        index's own eviction, or an unusual eviction in the engine) can make the count stop
-        before it or run past it. Routing reads this as an estimate: the engine checks its own
-        hashes before it reuses a block. Near the index's bounds (``touches``) the matched
-        blocks become the worker's newest, the chain's root last."""
+        chain at once (both by a ``schemas.prefix.PromptHasher`` of the index's block size), and
+        each one's depth is found by a binary search over the chain: O(log blocks) look-ups, not
+        one per block. That reads a worker's chain as held from its root up to some block, as
+        vLLM keeps it (it frees a request's blocks last first, so a chain loses its tail first);
+        a hole in a chain (the index's own eviction, or an unusual eviction in the engine) can
+        make the count stop before it or run past it. Routing reads this as an estimate: the
+        engine checks its own hashes before it reuses a block. Near the index's bounds
+        (``touches``) the matched blocks become the worker's newest, the chain's root last."""
         block_size = self.block_size
         if not block_size or len(token_ids) < block_size:
             return {}
-        first = BlockHasher(block_size).feed(token_ids[:block_size])  # faster than numpy's
+        hasher = self._hasher
+        if hasher is None or hasher.block_size != block_size:
+            hasher = self._hasher = PromptHasher(block_size)
+        first = hasher.first(token_ids)  # faster than numpy's for one block
         caches = self._workers
         wanted = [(w, c) for w in workers if (c := caches.get(w)) is not None and first in c.hashes]
         if not wanted:
             return {}
-        chain = chain_hashes(token_ids, block_size)
+        chain = hasher.chain(token_ids)
+        hash_at, blocks = memoryview(chain), len(chain)  # hash_at[i]: block i's, a Python int
         matched: dict[str, int] = {}
         for worker, cache in wanted:
             hashes = cache.hashes
-            held, missing = 1, len(chain) + 1  # chain[:held] is held; chain[missing - 1] is not
+            held, missing = 1, blocks + 1  # chain[:held] is held; chain[missing - 1] is not
             while missing - held > 1:
                 middle = (held + missing) // 2
-                if chain.item(middle - 1) in hashes:
+                if hash_at[middle - 1] in hashes:
                     held = middle
                 else:
                     missing = middle

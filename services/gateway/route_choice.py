@@ -3,7 +3,7 @@
 ``choose`` scores every candidate the router allows for one prompt: LOCAL on each live D and,
 for the disaggregated mode allowed (the deployment's push or pull, or the client's override),
 every (P, D) pair. A transfer's estimate is a D share's total for a P part
-(``CostModel.prefill_parts`` and ``transfer_shares``), which grows with the P part, so the
+(``CostModel.prefill_parts`` and ``decode_parts``), which grows with the P part, so the
 cheapest pair is the cheapest P with the D cheapest for it: O(P + D) parts, then the pairs of
 the ``ALTERNATIVES`` + 1 cheapest of each side, and full estimates (with their terms) only for
 the choice and its runners-up. A D on the cheapest P's GPU (heartbeats' ``gpu``) takes turns
@@ -11,7 +11,15 @@ with it (``TransferShare.in_turns``, never below ``total``): its cheapest pair i
 turns or the cheapest P on another GPU, whichever is less (still exact, still O(P + D)).
 Equal costs go to the least-loaded worker, as the least-loaded policy orders them
 (``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work). Each
-worker's heartbeat, load and ``CostModel.view`` are read once per decision, whatever the modes.
+worker's heartbeat, load, prefix hit and ``CostModel.view`` are read once per decision, in one
+pass a role, whatever the modes.
+
+Only a candidate that can still be among the ``ALTERNATIVES`` + 1 cheapest is ranked: LOCAL on
+the D no dearer than the cheapest few LOCAL, and of the other few P's pairs those no dearer
+than the cheapest few ranked before them (a D on no GPU has its pairs priced only up to the
+first dearer one: its total only grows with the P part, rounding included). Each one left out
+is dearer than ``ALTERNATIVES`` + 1 kept: the choice and the runners-up (the explanation) are
+those of ranking every candidate named above, to the bit (tests/unit/test_route_choice.py).
 
 ``RouteExplanation`` is what the trace and metrics show: the reason the candidates were what
 they were (``RouteReason``), the chosen estimate, the runners-up, the prefix tokens matched on
@@ -24,12 +32,21 @@ Threading model: pure functions of their arguments, on the gateway's loop.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from kvpush.schemas.messages import TransferMode, WorkerHeartbeat
-from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate, TransferShare
+from kvpush.services.gateway.cost_model import (
+    Candidate,
+    CostModel,
+    DecodeRow,
+    Estimate,
+    PrefillRow,
+    ShareTerms,
+    TransferShare,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -75,6 +92,9 @@ class DecisionMetrics(Protocol):
 W = TypeVar("W", bound=LiveWorker)
 _DecodeKey = tuple[int, int, float]  # decode_order's
 _PrefillKey = tuple[int, float]  # prefill_order's
+# (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest; LOCAL's
+# P key is () and its P index -1
+_Ranked = tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]
 
 
 def decode_order(state: LiveWorker) -> tuple[int, int, float]:
@@ -119,8 +139,11 @@ class RouteExplanation:
         return "; ".join(str(e) for e in (self.choice, *self.alternatives))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Choice(Generic[W]):
+    """What ``choose`` found (made once per request and read once: not frozen, whose fields
+    cost a call each to set)."""
+
     decode: W
     prefill: W | None  # None: LOCAL
     choice: Estimate
@@ -138,122 +161,69 @@ def choose(
 ) -> Choice[W]:
     """The cheapest candidate of ``modes`` over the given live workers (``decodes`` non-empty;
     ``prefills`` non-empty when a mode other than LOCAL is allowed)."""
-    # each worker's heartbeat, load and view are read once, for every mode; its key is its
-    # place in the least-loaded order (as decode_order and prefill_order make it)
-    d_ids: list[str] = []
-    d_loads: list[int] = []
-    d_running: list[int] = []
-    d_keys: list[_DecodeKey] = []
-    for d in decodes:
-        load, running = d.load_running()
-        d_ids.append(d.worker_id)
-        d_loads.append(load)
-        d_running.append(running)
-        d_keys.append((load, -d.heartbeat.free_blocks, d.last_pick))
-    d_hits, d_missing = _prefix_hits(hits, d_ids, prompt_tokens)
-    d_views = model.views(d_ids)
-    p_ids: list[str] = []
-    p_loads: list[int] = []
-    p_hits: list[int] = []
+    transfer = None  # the first of modes that is no LOCAL: its shares are made with LOCAL's
+    for mode in modes:
+        if mode is not TransferMode.LOCAL:
+            transfer = mode
+            break
+    # each worker's heartbeat, load and prefix hit are read once, for every mode, in one pass a
+    # role (the router asks this of every worker per request)
+    whole, most = max(prompt_tokens, 0), prompt_tokens - 1
+    get = hits.get if hits and most > 0 else None
+    d_rows, d_keys = _read_decodes(decodes, get, whole, most)
+    local_parts, shares = model.decode_parts(transfer, d_rows)
+    p_rows: list[PrefillRow] = []
     p_keys: list[_PrefillKey] = []
-    p_gpus: list[str] = []  # each P's GPU ("": CPU): a D on one takes turns with it
+    p_gpus: list[str] = []
     p_parts: list[float] = []
-    p_ranked: list[tuple[float, _PrefillKey, int]] = []
-    # (estimate, mode rank, D key, P key, P index, D index): the cheapest is the smallest;
-    # LOCAL's P key is () and its P index -1
-    ranked: list[tuple[float, int, _DecodeKey, _PrefillKey | tuple[()], int, int]] = []
+    ranked: list[_Ranked] = []  # the cheapest is the smallest
     for mode in modes:
         if mode is TransferMode.LOCAL:
-            # every D (the final sort keeps the cheapest; one sort fewer than ranking them here)
-            parts = model.local_parts(d_views, d_loads, d_missing, d_running)
-            d_all = zip(parts, d_keys, range(len(d_ids)), strict=True)
-            ranked += [(cost, 0, key, (), -1, i) for cost, key, i in d_all]
-            continue
-        if not p_ranked:
-            for p in prefills:
-                load = p.load
-                p_gpus.append(p.gpu)
-                p_ids.append(p.worker_id)
-                p_loads.append(load)
-                p_keys.append((load, p.last_pick))
-            p_hits, p_missing = _prefix_hits(hits, p_ids, prompt_tokens)
-            p_views = model.views(p_ids)
-            p_parts = model.prefill_parts(p_views, p_loads, p_missing)
-            p_ranked = sorted(zip(p_parts, p_keys, range(len(p_ids)), strict=True))[
-                : ALTERNATIVES + 1
+            # the D no dearer than the ALTERNATIVES + 1 cheapest (only those can be kept)
+            cut = sorted(local_parts)[ALTERNATIVES] if len(local_parts) > ALTERNATIVES else math.inf
+            ranked += [
+                (cost, 0, key, (), -1, i)
+                for cost, key, i in zip(local_parts, d_keys, range(len(d_keys)), strict=True)
+                if cost <= cut
             ]
-        shares = model.transfer_shares(mode, d_views, d_loads, d_missing, d_running)
-        (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
-        totals = TransferShare.totals(shares, cheapest_p)
-        partner: dict[int, tuple[_PrefillKey, int]] = {}  # D -> its cheapest P, if not that one
-        if gpu := p_gpus[cheapest_j]:
-            # a D on that P's GPU takes turns with it: its cheapest pair is that P in turns or
-            # the cheapest P elsewhere (each grows with P's part: exact, and still O(P + D))
-            away = min(
-                (
-                    (cost, key, j)
-                    for cost, key, j in zip(p_parts, p_keys, range(len(p_ids)), strict=True)
-                    if p_gpus[j] != gpu
-                ),
-                default=None,
-            )
-            for i, d in enumerate(decodes):
-                if d.gpu == gpu:
-                    totals[i] = shares[i].in_turns(cheapest_p)
-                    if away is not None and (apart := shares[i].total(away[0])) < totals[i]:
-                        totals[i], partner[i] = apart, (away[1], away[2])
-        d_ranked = sorted(zip(totals, d_keys, range(len(d_ids)), strict=True))[: ALTERNATIVES + 1]
+            continue
+        if not p_rows:
+            p_rows, p_keys, p_gpus = _read_prefills(prefills, get, whole, most)
+            p_parts = model.prefill_parts(p_rows)
+        if mode is not transfer:  # another transfer mode: its own shares
+            shares = model.decode_parts(mode, d_rows)[1]
         rank = 1 if mode is TransferMode.PUSH else 2
-        # each D's cheapest pair has its total already; the other P's pairs are computed
-        ranked += [
-            (cost, rank, d_key, *partner.get(i, (cheapest_key, cheapest_j)), i)
-            if partner
-            else (cost, rank, d_key, cheapest_key, cheapest_j, i)
-            for cost, d_key, i in d_ranked
-        ]
-        ranked += [
-            (
-                shares[i].in_turns(p_cost)
-                if p_gpus[j] and p_gpus[j] == decodes[i].gpu
-                else shares[i].total(p_cost),
-                rank,
-                d_key,
-                p_key,
-                j,
-                i,
-            )
-            for p_cost, p_key, j in other_ps
-            for _, d_key, i in d_ranked
-            if not partner or j != partner.get(i, (None, cheapest_j))[1]  # that pair: in already
-        ]
+        _rank_pairs(ranked, rank, shares, decodes, d_keys, p_parts, p_keys, p_gpus)
     ranked.sort()
     estimates: list[Estimate] = []
     for cost, rank, _, _, j, i in ranked[: ALTERNATIVES + 1]:
+        decode_id, load, running, missing = d_rows[i]
         if j < 0:
             candidate = Candidate(
                 TransferMode.LOCAL,
-                d_ids[i],
-                d_loads[i],
-                d_hits[i],
+                decode_id,
+                load,
+                whole - missing,
                 prompt_tokens,
-                decode_running=d_running[i],
+                decode_running=running,
             )
         else:
-            mode = TransferMode.PUSH if rank == 1 else TransferMode.PULL
+            prefill_id, prefill_load, prefill_missing = p_rows[j]
+            gpu = p_gpus[j]
             candidate = Candidate(
-                mode,
-                d_ids[i],
-                d_loads[i],
-                d_hits[i],
+                TransferMode.PUSH if rank == 1 else TransferMode.PULL,
+                decode_id,
+                load,
+                whole - missing,
                 prompt_tokens,
-                p_ids[j],
-                p_loads[j],
-                p_hits[j],
-                decode_running=d_running[i],
-                shared_gpu=bool(p_gpus[j]) and p_gpus[j] == decodes[i].gpu,
+                prefill_id,
+                prefill_load,
+                whole - prefill_missing,
+                decode_running=running,
+                shared_gpu=bool(gpu) and gpu == decodes[i].gpu,
             )
         # the choice with its terms; the runners-up with their totals only
-        estimates.append(model.estimate(candidate) if not estimates else Estimate(candidate, cost))
+        estimates.append(Estimate(candidate, cost) if estimates else model.estimate(candidate))
     _, _, _, _, best_p, best_d = ranked[0]
     prefill = prefills[best_p] if best_p >= 0 else None
     carrier = None
@@ -262,17 +232,111 @@ def choose(
     return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]), carrier)
 
 
-def _prefix_hits(
-    hits: Mapping[str, int], worker_ids: Sequence[str], prompt_tokens: int
-) -> tuple[list[int], list[int]]:
-    """Each worker's prefix hit on the prompt (0 where ``hits`` has none; never the prompt's
-    last token: vLLM computes it whatever its cache holds) and the prompt tokens it lacks."""
-    whole = max(prompt_tokens, 0)
-    if not hits:
-        return [0] * len(worker_ids), [whole] * len(worker_ids)
-    most = prompt_tokens - 1
-    found = [max(0, min(hits[w], most)) if w in hits else 0 for w in worker_ids]
-    return found, [whole - hit for hit in found]
+def _read_decodes(
+    decodes: Sequence[LiveWorker], get: Callable[[str, int], int] | None, whole: int, most: int
+) -> tuple[list[DecodeRow], list[_DecodeKey]]:
+    """Each D's row for ``CostModel.decode_parts`` and its ``decode_order`` key. A prefix hit
+    (``get``, None: no hits) is never the prompt's last token (vLLM computes it whatever its
+    cache holds): max(0, min(hit, most)), without two calls per worker (``most`` > 0 with
+    ``get``); the row holds the tokens missing of the ``whole`` prompt."""
+    rows: list[DecodeRow] = []
+    keys: list[_DecodeKey] = []
+    for d in decodes:
+        worker_id = d.worker_id
+        load, running = d.load_running()
+        hit = 0 if get is None or (hit := get(worker_id, 0)) <= 0 else most if hit > most else hit
+        rows.append((worker_id, load, running, whole - hit))
+        keys.append((load, -d.heartbeat.free_blocks, d.last_pick))
+    return rows, keys
+
+
+def _read_prefills(
+    prefills: Sequence[LiveWorker], get: Callable[[str, int], int] | None, whole: int, most: int
+) -> tuple[list[PrefillRow], list[_PrefillKey], list[str]]:
+    """Each P's row for ``CostModel.prefill_parts`` (its hit as ``_read_decodes`` reads a D's),
+    its ``prefill_order`` key and its GPU ("": CPU; a D on it takes turns with it)."""
+    rows: list[PrefillRow] = []
+    keys: list[_PrefillKey] = []
+    gpus: list[str] = []
+    for p in prefills:
+        worker_id = p.worker_id
+        load = p.load
+        hit = 0 if get is None or (hit := get(worker_id, 0)) <= 0 else most if hit > most else hit
+        rows.append((worker_id, load, whole - hit))
+        keys.append((load, p.last_pick))
+        gpus.append(p.gpu)
+    return rows, keys, gpus
+
+
+def _rank_pairs(
+    ranked: list[_Ranked],
+    rank: int,
+    shares: list[ShareTerms],
+    decodes: Sequence[LiveWorker],
+    d_keys: list[_DecodeKey],
+    p_parts: list[float],
+    p_keys: list[_PrefillKey],
+    p_gpus: list[str],
+) -> None:
+    """Add to ``ranked`` the (P, D) pairs of one transfer mode (``rank``: its place after LOCAL)
+    that may be among the ``ALTERNATIVES`` + 1 cheapest: the cheapest pair of each of the
+    cheapest few D, then the other few cheapest P with those D, only those no dearer than the
+    cheapest few ranked by then (a dearer one cannot be kept, so it is not ranked)."""
+    p_ranked = sorted(zip(p_parts, p_keys, range(len(p_parts)), strict=True))[: ALTERNATIVES + 1]
+    (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
+    totals = TransferShare.totals(shares, cheapest_p)
+    partner: dict[int, tuple[_PrefillKey, int]] = {}  # D -> its cheapest P, if not that one
+    if gpu := p_gpus[cheapest_j]:
+        # a D on that P's GPU takes turns with it: its cheapest pair is that P in turns or
+        # the cheapest P elsewhere (each grows with P's part: exact, and still O(P + D))
+        away = min(
+            (
+                (cost, key, j)
+                for cost, key, j in zip(p_parts, p_keys, range(len(p_parts)), strict=True)
+                if p_gpus[j] != gpu
+            ),
+            default=None,
+        )
+        for i, d in enumerate(decodes):
+            if d.gpu == gpu:
+                share = TransferShare(*shares[i])
+                totals[i] = share.in_turns(cheapest_p)
+                if away is not None and (apart := share.total(away[0])) < totals[i]:
+                    totals[i], partner[i] = apart, (away[1], away[2])
+    d_ranked = sorted(zip(totals, d_keys, range(len(d_keys)), strict=True))[: ALTERNATIVES + 1]
+    # each D's cheapest pair has its total already
+    if partner:
+        ranked += [
+            (cost, rank, d_key, *partner.get(i, (cheapest_key, cheapest_j)), i)
+            for cost, d_key, i in d_ranked
+        ]
+    else:
+        ranked += [(cost, rank, d_key, cheapest_key, cheapest_j, i) for cost, d_key, i in d_ranked]
+    if not other_ps:
+        return
+    # the other P's pairs with those D, each no dearer than the cheapest few so far: a pair of a
+    # D on no GPU costs no less than that D's cheapest pair, nor than its pair with a P whose
+    # part is less (``TransferShare.total`` grows with the P part, rounding included)
+    limit = (
+        sorted([entry[0] for entry in ranked])[ALTERNATIVES]
+        if len(ranked) > ALTERNATIVES
+        else math.inf
+    )
+    for total, d_key, i in d_ranked:
+        d_gpu = decodes[i].gpu
+        if total > limit and not d_gpu:
+            continue
+        fixed, tail, wait = shares[i]
+        for p_cost, p_key, j in other_ps:  # by P's part, rising
+            if d_gpu and d_gpu == p_gpus[j]:  # TransferShare.in_turns, inline
+                cost = fixed + p_cost + tail + wait
+            else:  # TransferShare.total, inline
+                cost = fixed + (wait if wait > (part := p_cost + tail) else part)
+            if cost > limit:
+                if not d_gpu:  # the next P's pair with this D costs no less
+                    break
+            elif not partner or j != partner.get(i, (None, -1))[1]:  # that pair: in already
+                ranked.append((cost, rank, d_key, p_key, j, i))
 
 
 @dataclass(frozen=True)

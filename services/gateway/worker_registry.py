@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerState:
     """A live member and what this gateway's selection keeps of it: its last heartbeat,
-    corrected by what this gateway saw since (requests it sent, that started, that ended)."""
+    corrected by what this gateway saw since (requests it sent, that started, that ended).
+    Its load is counted when one of those changes (``recount``: the registry's ``observe``,
+    ``mark``, ``started`` and ``ended`` call it), not when read: the router reads it of every
+    worker per request, far more often than it changes."""
 
     member: Member
     sent_since_heartbeat: int = 0  # this gateway's requests sent to it since its heartbeat ...
@@ -53,46 +56,51 @@ class WorkerState:
     beats: int = 0  # heartbeats of this member read (a Route keeps the count it was sent under)
     worker_id: str = field(init=False, repr=False, compare=False)  # the member's, read often
     gpu: str = field(init=False, repr=False, compare=False)  # its heartbeat's, read often
+    counted: tuple[int, int] = field(init=False, repr=False, compare=False)  # load_running's
 
     def __post_init__(self) -> None:
         self.worker_id = self.member.heartbeat.worker_id
         self.gpu = self.member.heartbeat.gpu
+        self.recount()
 
     @property
     def heartbeat(self) -> WorkerHeartbeat:
         return self.member.heartbeat
 
+    def recount(self) -> None:
+        """Count ``load_running`` anew from the heartbeat and what was seen since (after every
+        change of either)."""
+        hb = self.member.heartbeat
+        # in_flight holds queue_depth: a queued request counts once; what ended since, at most
+        # all of it
+        left = hb.in_flight - self.ended_since_heartbeat
+        load = (left if left > 0 else 0) + self.sent_since_heartbeat
+        queued = hb.queue_depth - self.started_since_heartbeat
+        waiting = (queued if queued > 0 else 0) + self.sent_since_heartbeat - self.sent_running
+        self.counted = (load, load - waiting if waiting < load else 0)  # waiting: at most load
+
     @property
     def load(self) -> int:
-        return self._load(self.member.heartbeat)
-
-    def _load(self, hb: WorkerHeartbeat) -> int:
-        # in_flight holds queue_depth: a queued request counts once; what ended since, at most
-        # all of it (a conditional, not max(): the router asks this of every candidate)
-        left = hb.in_flight - self.ended_since_heartbeat
-        return (left if left > 0 else 0) + self.sent_since_heartbeat
+        """Its heartbeat's ``in_flight``, less what ended since, plus what was sent since."""
+        return self.counted[0]
 
     def load_running(self) -> tuple[int, int]:
         """``load`` and, inside it, the requests past their first token (on D: decoding, or
         waiting for their KV); the rest wait for this worker's own prefill: its heartbeat's
         ``queue_depth``, less those that started since, and those sent since not started.
         Both at once: the router asks this of every candidate per request."""
-        hb = self.member.heartbeat
-        load = self._load(hb)
-        queued = hb.queue_depth - self.started_since_heartbeat
-        waiting = (queued if queued > 0 else 0) + self.sent_since_heartbeat - self.sent_running
-        return load, (load - waiting if waiting < load else 0)  # waiting: at most the load
+        return self.counted
 
     @property
     def waiting(self) -> int:
         """Requests waiting for this worker's own prefill (see ``load_running``)."""
-        load, running = self.load_running()
+        load, running = self.counted
         return load - running
 
     @property
     def running(self) -> int:
         """Requests past their first token (see ``load_running``)."""
-        return self.load_running()[1]
+        return self.counted[1]
 
 
 class NoWorkerError(LookupError):
@@ -147,6 +155,7 @@ class WorkerRegistry:
             state.started_since_heartbeat = state.ended_since_heartbeat = 0
             state.beats += 1
             state.gpu = hb.gpu
+            state.recount()
 
     def _joined(self, member: Member) -> None:
         hb = member.heartbeat
@@ -235,6 +244,7 @@ class WorkerRegistry:
         if count:
             state.sent_since_heartbeat += 1
             state.sent_running += running
+            state.recount()
 
     def _state(self, role: WorkerRole, worker_id: str, epoch: int) -> WorkerState | None:
         state = self._workers[role].get(worker_id)
@@ -251,6 +261,7 @@ class WorkerRegistry:
             state.sent_running = min(state.sent_since_heartbeat, state.sent_running + 1)
         else:
             state.started_since_heartbeat += 1
+        state.recount()
 
     def ended(
         self, role: WorkerRole, worker_id: str, epoch: int, beats: int, *, running: bool
@@ -268,6 +279,7 @@ class WorkerRegistry:
             state.sent_running = min(state.sent_running, state.sent_since_heartbeat)
         else:
             state.ended_since_heartbeat += 1
+        state.recount()
 
     def counts(self) -> dict[str, int]:
         return {role.value: len(self.alive(role)) for role in WorkerRole}

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
 import pytest
 
-from kvpush.schemas.prefix import BASE, ROOT, BlockHasher, block_hashes, iter_block_hashes
+from kvpush.schemas.prefix import (
+    BASE,
+    ROOT,
+    TABLE_TOKENS,
+    BlockHasher,
+    PromptHasher,
+    block_hashes,
+    iter_block_hashes,
+)
 
 KNOWN_8_BY_4 = [3256525755571062675, -2556502652947121803]
 KNOWN_000_BY_2 = [1360621569767560655]
@@ -76,3 +85,27 @@ def test_long_prompts_hash_as_block_by_block(length: int) -> None:
     hasher = BlockHasher(16)
     expected = [hasher.feed(tokens[i : i + 16]) for i in range(0, length - 15, 16)]
     assert block_hashes(tokens, 16) == expected
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_the_prompt_hasher_hashes_as_the_chain_and_the_walk(block_size: int) -> None:
+    """The prefix index's ``PromptHasher``: its first block alone and its chain (contiguous
+    tables of block ends, a C-level pass for the first block) are those of ``block_hashes``."""
+    rng = random.Random(block_size)
+    hasher = PromptHasher(block_size)
+    lengths = [0, 1, block_size - 1, block_size, 5 * block_size + 1, 8192, TABLE_TOKENS]
+    for length in [*lengths, TABLE_TOKENS + 2 * block_size + 1]:
+        tokens = [rng.randrange(1 << 32) for _ in range(length)]
+        expected = block_hashes(tokens, block_size)
+        assert hasher.chain(tokens).tolist() == expected
+        assert hasher.chain(tuple(tokens)).tolist() == expected  # any sequence
+        if length >= block_size:
+            assert (
+                hasher.first(tokens)
+                == expected[0]
+                == BlockHasher(block_size).feed(tokens[:block_size])
+            )
+    with pytest.raises(ValueError):
+        hasher.first([1] * (block_size - 1))
+    with pytest.raises(ValueError):
+        PromptHasher(0)
