@@ -13,6 +13,9 @@ share of the prompt's leading blocks one D and one P hold), ``route(token_ids)``
 ``BEAT_EVERY`` calls so the loads stay put), then again with the index at its bound (where a
 match also reorders the matched blocks: ``PrefixIndex.touches``); so is the prefix look-up alone
 (its share of the decision) and the least-loaded policy (no look-up, no scoring) for comparison.
+The sweep runs ``--rounds`` times, every case once a round in turn, and each figure is the
+median over the rounds: a burst of the host's noise (a shared VM's) lands in one round of one
+case instead of deciding its row.
 
 ``--out FILE`` writes the results as JSON; ``--report FILE [--doc DOC] [--check]`` prints (or
 writes into DOC's generated section) the table of a results file instead of running.
@@ -41,6 +44,7 @@ HIT_SHARES: Final = (0.0, 0.5, 0.9)
 WORKERS: Final = 8  # of each role
 BLOCK_SIZE: Final = 16  # vLLM's default on the GPU
 BEAT_EVERY: Final = 32
+ROUNDS: Final = 5  # the whole sweep, repeated: each figure is the median of its rounds'
 VOCAB: Final = 150_000
 SECTION: Final = "route-decision"
 REPORT_COMMAND: Final = (
@@ -53,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefixes", type=int, default=10_000, help="cached prefixes (10000)")
     parser.add_argument("--repeats", type=int, default=2000, help="timed calls per case (2000)")
     parser.add_argument("--seed", type=int, default=32, help="random prompts' seed (32)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help=f"times every case is timed, in turn; each figure is the median over them ({ROUNDS})",
+    )
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--report", metavar="FILE", help="run nothing: the table of FILE")
     parser.add_argument("--doc", metavar="DOC", help="with --report: write it into DOC")
@@ -178,7 +188,7 @@ def _at_the_bound(fleet: Fleet, call: Callable[[], object], repeats: int) -> lis
         index.max_blocks = bound
 
 
-def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
+def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, Any]:
     from kvpush.schemas.messages import TransferMode
     from kvpush.services.gateway.routing import Router, RoutingPolicy
 
@@ -193,7 +203,7 @@ def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
     routed = Router(fleet.registry, TransferMode.PUSH, 256, prefix=fleet.index)
     least = Router(fleet.registry, TransferMode.PUSH, 256, routing=RoutingPolicy.LEAST_LOADED)
     warm(routed.costs)
-    cases = []
+    prepared = []  # (prompt, hit share, cached tokens): every case set up before any is timed
     for length in LENGTHS:
         for share in HIT_SHARES:
             prompt = [rng.randrange(VOCAB) for _ in range(length)]
@@ -201,31 +211,48 @@ def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
             if cached:
                 for holder in ("d3", "p5"):
                     fleet.store(holder, prompt[:cached])
-            found = fleet.index.matched_tokens(prompt, ids)
-            assert found.get("d3", 0) == cached, (found, cached)
-            route = routed.route(prompt)
-            assert route.explanation is not None
+            prepared.append((prompt, share, cached))
+    routes = []
+    for prompt, _share, cached in prepared:
+        found = fleet.index.matched_tokens(prompt, ids)
+        assert found.get("d3", 0) == cached, (found, cached)
+        route = routed.route(prompt)
+        assert route.explanation is not None
+        routes.append(route.explanation)
+    # each round times every case once, in turn: a burst of the host's noise lands on one round
+    # of a case, and the median over rounds leaves it out
+    by_case: list[dict[str, list[float]]] = [{} for _ in prepared]
+    for _ in range(rounds):
+        for (prompt, _share, _cached), seen in zip(prepared, by_case, strict=True):
             decide = _timed(lambda p=prompt: routed.route(p), repeats, fleet.beat)
             at_bound = _at_the_bound(fleet, lambda p=prompt: routed.route(p), repeats)
             lookup = _timed(
                 lambda p=prompt: fleet.index.matched_tokens(p, ids), repeats, lambda: None
             )
+            length = len(prompt)
             plain = _timed(lambda n=length: least.route(n), repeats, fleet.beat)
-            cases.append(
-                {
-                    "prompt_tokens": length,
-                    "hit_share": share,
-                    "cached_tokens": cached,
-                    "p50_us": round(statistics.median(decide), 1),
-                    "p99_us": round(_percentile(decide, 0.99), 1),
-                    "at_bound_p50_us": round(statistics.median(at_bound), 1),
-                    "lookup_p50_us": round(statistics.median(lookup), 1),
-                    "least_loaded_p50_us": round(statistics.median(plain), 1),
-                    "choice": route.explanation.choice.candidate.label,
-                    "reason": route.explanation.reason.value,
-                }
-            )
-            print(f"  {length} tokens, {share:.0%} hit: {cases[-1]}", flush=True)
+            for key, value in (
+                ("p50_us", statistics.median(decide)),
+                ("p99_us", _percentile(decide, 0.99)),
+                ("at_bound_p50_us", statistics.median(at_bound)),
+                ("lookup_p50_us", statistics.median(lookup)),
+                ("least_loaded_p50_us", statistics.median(plain)),
+            ):
+                seen.setdefault(key, []).append(value)
+    cases = []
+    for (prompt, share, cached), seen, explanation in zip(prepared, by_case, routes, strict=True):
+        cases.append(
+            {
+                "prompt_tokens": len(prompt),
+                "hit_share": share,
+                "cached_tokens": cached,
+                **{key: round(statistics.median(values), 1) for key, values in seen.items()},
+                "p50_us_rounds": [round(value, 1) for value in seen["p50_us"]],
+                "choice": explanation.choice.candidate.label,
+                "reason": explanation.reason.value,
+            }
+        )
+        print(f"  {len(prompt)} tokens, {share:.0%} hit: {cases[-1]}", flush=True)
     return {
         "meta": {
             "stamp": docgen.stamp(),
@@ -237,6 +264,7 @@ def run(prefixes: int, repeats: int, seed: int) -> dict[str, Any]:
             "workers": {"prefill": WORKERS, "decode": WORKERS},
             "block_size": BLOCK_SIZE,
             "repeats": repeats,
+            "rounds": rounds,
             "python": platform.python_version(),
             "machine": _cpu(),
         },
@@ -255,13 +283,20 @@ def _cpu() -> str:
     return platform.machine()
 
 
+def _with_rounds(case: dict[str, Any]) -> str:
+    """The decision's P50 (the median over rounds) and, over several rounds, their spread."""
+    rounds = case.get("p50_us_rounds", [])
+    spread = f" [{min(rounds):.1f}–{max(rounds):.1f}]" if len(rounds) > 1 else ""
+    return f"{case['p50_us']:.1f}{spread}"
+
+
 def table(results: dict[str, Any]) -> str:
     target = results["target_us"]
     rows = [
         (
             c["prompt_tokens"],
             f"{c['hit_share']:.0%}",
-            f"{c['p50_us']:.1f}",
+            _with_rounds(c),
             f"{c['p99_us']:.1f}",
             f"{c['at_bound_p50_us']:.1f}" if "at_bound_p50_us" in c else "-",
             f"{c['lookup_p50_us']:.1f}",
@@ -287,7 +322,8 @@ def table(results: dict[str, Any]) -> str:
         f"Routed policy, {meta['workers']['prefill']} P + {meta['workers']['decode']} D,"
         f" {meta['index']} holding {meta['prefixes']} cached prefixes"
         f" ({meta['index_entries']} block entries, {meta['block_size']}-token blocks),"
-        f" warm cost model (every candidate weighed); {meta['repeats']} timed calls per row on"
+        f" warm cost model (every candidate weighed); {meta['repeats']} timed calls per row"
+        f"{_rounds_note(meta.get('rounds', 1))} on"
         f" {meta['machine']} (Python {meta['python']}); run {meta['stamp']} at {meta['revision']}."
         " The look-up hashes the prompt's first block, and when some worker holds it the whole"
         " prompt (it grows with the prompt, from one conversion of its token list); each"
@@ -297,11 +333,20 @@ def table(results: dict[str, Any]) -> str:
     return docgen.table(head, rows) + "\n\n" + note
 
 
+def _rounds_note(rounds: int) -> str:
+    if rounds <= 1:
+        return ""
+    return (
+        f" in each of {rounds} rounds (every case timed once a round, in turn; each figure is the"
+        " median over the rounds, [min–max] of the decision's P50)"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     if args.report:
         return docgen.publish_report(args, table, SECTION, REPORT_COMMAND)
     print(f"kvpush bench route: {args.prefixes} prefixes, {args.repeats} calls a case", flush=True)
-    results = run(args.prefixes, args.repeats, args.seed)
+    results = run(args.prefixes, args.repeats, args.seed, args.rounds)
     text = json.dumps(results, indent=2) + "\n"
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ from kvpush.benchmarks import route
 
 
 def test_a_small_run_measures_every_case_with_its_prefix_hit() -> None:
-    results = route.run(prefixes=64, repeats=5, seed=1)
+    results = route.run(prefixes=64, repeats=5, seed=1, rounds=2)
     cases = results["cases"]
     assert [(c["prompt_tokens"], c["hit_share"]) for c in cases] == [
         (n, s) for n in route.LENGTHS for s in route.HIT_SHARES
@@ -19,3 +19,6 @@ def test_a_small_run_measures_every_case_with_its_prefix_hit() -> None:
         assert case["choice"].split()[0] in ("local", "push")  # a push deployment
     assert results["meta"]["index_entries"] > 0
     assert "| 8192 | 90% |" in route.table(results)
+    assert results["meta"]["rounds"] == 2
+    assert all(len(c["p50_us_rounds"]) == 2 for c in cases)
+    assert "in each of 2 rounds" in route.table(results)
