@@ -216,6 +216,7 @@ def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, An
     for prompt, _share, cached in prepared:
         found = fleet.index.matched_tokens(prompt, ids)
         assert found.get("d3", 0) == cached, (found, cached)
+        fleet.beat()  # the loads as each timed call sees them (a route counts on its workers)
         route = routed.route(prompt)
         assert route.explanation is not None
         routes.append(route.explanation)
