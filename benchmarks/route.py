@@ -55,11 +55,13 @@ REPORT_COMMAND: Final = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefixes", type=int, default=10_000, help="cached prefixes (10000)")
-    parser.add_argument("--repeats", type=int, default=2000, help="timed calls per case (2000)")
+    parser.add_argument(
+        "--repeats", type=_at_least_one, default=2000, help="timed calls per case (2000)"
+    )
     parser.add_argument("--seed", type=int, default=32, help="random prompts' seed (32)")
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=_at_least_one,
         default=ROUNDS,
         help=f"times every case is timed, in turn; each figure is the median over them ({ROUNDS})",
     )
@@ -188,7 +190,18 @@ def _at_the_bound(fleet: Fleet, call: Callable[[], object], repeats: int) -> lis
         index.max_blocks = bound
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, Any]:
+    if rounds < 1 or repeats < 1:
+        raise ValueError(
+            f"rounds and repeats must be 1 or more (rounds {rounds}, repeats {repeats})"
+        )
     from kvpush.schemas.messages import TransferMode
     from kvpush.services.gateway.routing import Router, RoutingPolicy
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from kvpush.benchmarks import route
 
 
@@ -22,3 +26,14 @@ def test_a_small_run_measures_every_case_with_its_prefix_hit() -> None:
     assert results["meta"]["rounds"] == 2
     assert all(len(c["p50_us_rounds"]) == 2 for c in cases)
     assert "in each of 2 rounds" in route.table(results)
+
+
+def test_rounds_and_repeats_below_one_are_refused_at_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    assert parser.parse_args(["--rounds", "3"]).rounds == 3
+    for given in (["--rounds", "0"], ["--repeats", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(given)
+    with pytest.raises(ValueError, match="rounds"):
+        route.run(prefixes=8, repeats=1, seed=1, rounds=0)
