@@ -4,6 +4,7 @@ restarts and workers leaving; ``matched_tokens`` is what the router asks."""
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from types import FrameType
 from typing import Any
@@ -213,18 +214,24 @@ def test_a_worker_that_joins_is_asked_for_a_snapshot_once_per_epoch() -> None:
 
 # ---- eviction cost, LRU, forget and its epoch, the flag ---------------------------------------
 def calls_made(work: Any) -> int:
-    """Python and C function calls ``work()`` makes (a count: the same on every machine)."""
+    """Python and C function calls ``work()`` makes (a count: the same on every machine). The
+    garbage collector is off meanwhile: a collection that happens to fall inside ``work`` runs
+    other objects' finalizers and weakref callbacks (an earlier test's garbage), whose calls
+    would count too (a clean-clone run once counted 28 instead of 24)."""
     calls = 0
 
     def count(frame: FrameType, event: str, arg: object) -> None:
         nonlocal calls
         calls += event in ("call", "c_call")
 
+    gc.collect()
+    gc.disable()
     sys.setprofile(count)
     try:
         work()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 
