@@ -211,6 +211,8 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
     [
         "h200",
         "h100",
+        "h100-reuse-1",
+        "h100-reuse-2",
         "load-h100",
         "load-h100-share",
         "load-h100-turns",

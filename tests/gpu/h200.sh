@@ -22,8 +22,8 @@
 # chaos soak, 2 P + 1 D of the 8B shape on the GPU (PREFILL, DECODE), MINUTES of load and faults, default 8, cut to
 # fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue 32: kvpush-routed,
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
-# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...), c=1 and 4, into
-# routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
+# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...; D_SHARE), c=1
+# and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
 # load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x; P_SHARE,
 # D_SHARE; REPEATS). Every step first unpacks the bundle once (/tmp/site) and makes kvpush
 # importable from this tree (/tmp/kp); results go under OUT. RESUME=<folder> (checksum,
@@ -161,12 +161,16 @@ routing)
     if [ -d .gpu/extra ] && [ ! -d /tmp/site/pandas ]; then
         python3 -m pip install -q --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl
     fi
+    # every engine gets 0.25 of the card (vllm-serve's one engine twice it); D_SHARE: kvpush's
+    # decode engine's own (e.g. 0.4: P 0.25 + P 0.25 + D 0.4; at 0.25 D's KV cache cannot hold
+    # reuse90:8192's shared prefixes beside four running prompts,
+    # docs/benchmarks/routing/h100-reuse-1.md)
     limit=${LIMIT:-585}
     timeout "$limit" setsid python3 -m kvpush.services.cli bench serve --device cuda \
         --model llama-8b --client vllm --repeats 1 --output-len 64 --qps "" \
         --tables "${TABLES:-reuse50:8192,reuse90:8192}" \
         --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 \
-        --time-budget $((limit - 45)) \
+        ${D_SHARE:+--decode-gpu-memory-utilization "$D_SHARE"} --time-budget $((limit - 45)) \
         --systems "${SYSTEMS:-kvpush-routed,kvpush-least-loaded,vllm-serve,vllm-push}" \
         --out-dir "$out/routing" > "$out/routing.log" 2>&1
     echo "routing rc=$?"; tail -8 "$out/routing.log"
