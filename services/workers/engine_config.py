@@ -86,7 +86,8 @@ def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """The environment variables an engine of ``cfg`` sets before vLLM is imported (what is
     already in ``environ`` of the optional ones stays). On CUDA, UCX's cuda_ipc transport moves
     a NIXL READ (pull mode) of GPU memory only with GET zero-copy on; without it the READ fell
-    back to TCP (docs/benchmarks/gpu.md: 351 ms for a 2k prompt's KV on the H200)."""
+    back to TCP (docs/benchmarks/gpu.md: 351 ms for a 2k prompt's KV on the H200). On CPU,
+    torch inductor trusts the vector ISA the CPU reports (no dlopen probe per ISA)."""
     in_process = "0" if cfg.engine_core == "thread" else "1"
     env = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": in_process}
     if cfg.device == "cuda":
@@ -96,6 +97,13 @@ def engine_env(cfg: EngineConfig, environ: Mapping[str, str]) -> dict[str, str]:
             env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        if "TORCHINDUCTOR_VEC_ISA_OK" not in environ:
+            # torch.compile on CPU (a TP rank's warm-up compiles vLLM's embedding helper) takes
+            # the widest vector ISA the CPU reports, after a probe: a child Python per ISA that
+            # dlopens a test build, 60 s each before torch gives up on it. In a clean-clone run
+            # those children hung three times in one TP rank (3 min: the start timed out);
+            # "1" keeps the ISA the CPU reports and skips the children
+            env["TORCHINDUCTOR_VEC_ISA_OK"] = "1"
         if cfg.cpu_cores:
             # the CPU backend pins each rank's OpenMP threads to its list ("|" between ranks).
             # Never on CUDA: vLLM keys the torch.compile cache with its env vars, so P and D

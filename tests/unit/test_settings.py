@@ -236,6 +236,19 @@ def test_an_engine_on_cuda_reads_gpu_memory_over_cuda_ipc_unless_told_otherwise(
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in cpu and cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
+def test_an_engine_on_cpu_skips_torch_inductors_isa_probe_unless_told_otherwise() -> None:
+    """A TP rank's warm-up compiles with torch inductor, which probed each vector ISA in a child
+    Python (60 s each when one hangs: a clean-clone run's TP start timed out that way): the
+    engine trusts the ISA the CPU reports instead; an operator's own value stays; not on CUDA."""
+    from kvpush.services.workers.engine_config import EngineConfig, engine_env
+
+    assert engine_env(EngineConfig(model_dir="m"), {})["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+    told = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
+    assert "TORCHINDUCTOR_VEC_ISA_OK" not in engine_env(EngineConfig(model_dir="m"), told)
+    cuda = EngineConfig(model_dir="m", device="cuda", gpu=0)
+    assert "TORCHINDUCTOR_VEC_ISA_OK" not in engine_env(cuda, {})
+
+
 def test_p_and_d_on_one_gpu_set_the_same_vllm_environment() -> None:
     """vLLM keys its torch.compile cache with its environment variables too: P and D on one
     GPU (other cores, other roles) set the same ones, so the second engine loads what the
