@@ -213,6 +213,8 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
         "h100",
         "h100-reuse-1",
         "h100-reuse-2",
+        "h100-dshare-1",
+        "h100-dshare-2",
         "load-h100",
         "load-h100-share",
         "load-h100-turns",
