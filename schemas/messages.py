@@ -371,8 +371,9 @@ class WorkerHeartbeat(_Message):
     sends_first_token: bool = False  # a prefill worker that sends FirstToken when asked
     # the worker's lease: silent this long, it is gone (0: the watcher's default)
     lease_ms: Count = 0
-    # the GPU its engine runs on, "<host>/gpu<index>" ("": none, a CPU engine): workers on one
-    # GPU take turns on its compute (the router does not overlap their prefills)
+    # the device its engine computes on: a GPU, "<host>/gpu<index>", or the cores a CPU engine
+    # is pinned to, "<host>/cpu<c>[,<c>...]" ("": none known): engines on one device take turns
+    # on its compute (the router does not overlap their prefills)
     gpu: Annotated[str, Meta(max_length=256)] = ""
 
 

@@ -30,15 +30,18 @@ while cold, the router keeps the deployment's fixed rule for the mode (``--local
 
 Estimates (``estimate(candidate)``, milliseconds, with their terms)::
 
-    LOCAL on D      = local_overhead + wait_local(D) + compute(D, prompt - hit(D))
-    PUSH  P -> D    = handoff + max(wait(P) + compute(P, prompt - hit(P))
+    LOCAL on D      = local_overhead + wait_local(D) + device(D) + compute(D, prompt - hit(D))
+    PUSH  P -> D    = handoff + max(wait(P) + device(P) + compute(P, prompt - hit(P))
                                     + push_tail_share * transfer(prompt - hit(D)),
-                                    waiting(D) * service_ms(D))
+                                    waiting(D) * service_ms(D) + device(D))
                       + steps(D)
-                      (P on D's own GPU, heartbeats' ``gpu``: the sum, not the max: the
-                      two take turns on one GPU's compute)
+                      (P on D's own device: not the max but P's side alone, which holds
+                      D's waiting prefills in device(P): the two take turns on its compute)
     PULL  P -> D    = the same with the whole transfer (D READs after P's prefill)
     wait(W)         = load(W) * service_ms(W)   (heartbeat in_flight + sent since - ended since)
+    device(W)       = the queued compute of the other engines on W's device (heartbeats'
+                      ``gpu``: a GPU, or a CPU engine's pinned cores; "": none, 0): each
+                      one's queued prefills (a P's load, a D's waiting(D)) x its service_ms
     wait_local(D)   = (load(D) - running(D)) * service_ms(D) + running(D) * join_ms(D)
                       (load - running: D's LOCAL requests not past their first token, by
                       its heartbeat's queue_depth and what the gateway saw since (sent,
@@ -60,7 +63,11 @@ and the router pushed to a P sharing D's GPU: the slowest answers.) A disaggrega
 waits on P's load and, on D, for D's waiting LOCAL prefills only past the time P takes (they run
 while P computes, and a push landing during them waits) and for steps: a D busy with prefills
 and an idle P favour a transfer, yet a push to a D with more prefills queued than P's work is
-no cheaper than they are.
+no cheaper than they are. Engines on one device take turns on its compute (one GPU's SMs, or
+the cores two CPU engines are pinned to): a prefill waits for the prefills queued on every
+engine of its device, not only its own (``device_share.device_queues``; without it a burst of
+cold prompts on two cores was priced as if each engine had a core of its own: 554-617 ms
+estimated, 1.39-1.74 s taken, on the CPU routing benchmark).
 
 The estimate splits into a P part and a D share (``prefill_parts``; ``decode_parts``: LOCAL's
 estimate and the transfer share, each over the workers' ``view``, load and prompt tokens missing
@@ -74,8 +81,9 @@ Threading model: the gateway's event loop only (learning and estimating); no loc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Final
 
 from kvpush.connector import BoundedDict
@@ -212,24 +220,39 @@ class CostModel:
     def _tail_share(self, mode: TransferMode) -> float:
         return self.push_tail_share.value if mode is TransferMode.PUSH else 1.0
 
-    def prefill_parts(self, prefills: Iterable[PrefillRow]) -> list[float]:
-        """Each P's share of a push/pull estimate: its wait and its compute. Per P: its id (its
+    def prefill_parts(
+        self, prefills: Iterable[PrefillRow], device_ms: Sequence[float] | None = None
+    ) -> list[float]:
+        """Each P's share of a push/pull estimate: its wait, its device's other queued compute
+        (``device_share.device_queues``; None: none) and its compute. Per P: its id (its
         ``view``), its load and the prompt tokens its prefix cache lacks (at least 0)."""
         memo, view = self._views, self.view  # the memo read inline: asked of every P
+        if device_ms is None:
+            return [
+                load * (w := memo.get(worker_id) or view(worker_id)).service_ms
+                + tokens * w.ms_per_token
+                for worker_id, load, tokens in prefills
+            ]
         return [
             load * (w := memo.get(worker_id) or view(worker_id)).service_ms
+            + device
             + tokens * w.ms_per_token
-            for worker_id, load, tokens in prefills
+            for (worker_id, load, tokens), device in zip(prefills, device_ms, strict=True)
         ]
 
     def decode_parts(
-        self, transfer: TransferMode | None, decodes: Iterable[DecodeRow]
+        self,
+        transfer: TransferMode | None,
+        decodes: Iterable[DecodeRow],
+        device_ms: Sequence[float] | None = None,
     ) -> tuple[list[float], list[ShareTerms]]:
         """Each D's LOCAL estimate and, for a ``transfer`` mode (push or pull; None: none), its
         share of that mode's estimate (the hand-off, the transfer's tail of what D lacks, D's
-        waiting prefills and its steps: a ``TransferShare``'s fields, as a plain tuple), in one
-        pass. Per D: its id (its ``view``), its load, its requests past their first token (part
-        of its load) and the prompt tokens its prefix cache lacks (at least 0)."""
+        waiting prefills with its device's other queued compute, and its steps: a
+        ``TransferShare``'s fields, as a plain tuple), in one pass. Per D: its id (its
+        ``view``), its load, its requests past their first token (part of its load) and the
+        prompt tokens its prefix cache lacks (at least 0); ``device_ms``: each D's
+        ``device_share.device_queues`` (None: none)."""
         memo, view = self._views, self.view  # the memo read inline: asked of every D
         base = self.local_overhead_ms.value
         handoff = self.handoff_ms.value
@@ -238,10 +261,11 @@ class CostModel:
         )
         parts: list[float] = []
         shares: list[ShareTerms] = []
-        for worker_id, load, run, tokens in decodes:
+        devices = repeat(0.0) if device_ms is None else device_ms
+        for (worker_id, load, run, tokens), device in zip(decodes, devices, strict=False):
             ms_per_token, service_ms, step_ms, join_ms = memo.get(worker_id) or view(worker_id)
             # D's waiting prefills: max(0, load - run) of them, without a call per D
-            waiting = (load - run if load > run else 0) * service_ms
+            waiting = (load - run if load > run else 0) * service_ms + device
             parts.append(base + waiting + run * join_ms + tokens * ms_per_token)
             if transfer is not None:
                 shares.append((handoff + (1 + run) * step_ms, tokens * tail_per_token, waiting))
@@ -254,18 +278,22 @@ class CostModel:
             terms["overhead"] = self.local_overhead_ms.value
             waiting = max(0, c.decode_load - c.decode_running)  # as decode_parts counts it
             terms["wait_d"] = self.wait_ms(c.decode_id, waiting)
+            terms["device_d"] = c.decode_device_ms
             terms["decoding_d"] = c.decode_running * self.view(c.decode_id).join_ms
             terms["compute_d"] = self.compute_ms(c.decode_id, c.prompt_tokens - c.decode_hit)
         else:
             terms["handoff"] = self.handoff_ms.value
             terms["wait_p"] = self.wait_ms(c.prefill_id, c.prefill_load)
+            terms["device_p"] = c.prefill_device_ms
             terms["compute_p"] = self.compute_ms(c.prefill_id, c.prompt_tokens - c.prefill_hit)
             moved = c.prompt_tokens - c.decode_hit
             terms["transfer"] = self._tail_share(c.mode) * self.transfer_ms(moved)
-            # D's waiting prefills, past what P and the tail take (TransferShare.total)
+            # D's waiting prefills and its device's queue, past what P and the tail take
+            # (TransferShare.total); on P's device they are in device_p (TransferShare.in_turns)
             waiting = self.wait_ms(c.decode_id, max(0, c.decode_load - c.decode_running))
-            overlapped = terms["wait_p"] + terms["compute_p"] + terms["transfer"]
-            terms["wait_d"] = waiting if c.shared_gpu else max(0.0, waiting - overlapped)
+            waiting += c.decode_device_ms
+            overlapped = sum(terms[k] for k in ("wait_p", "device_p", "compute_p", "transfer"))
+            terms["wait_d"] = 0.0 if c.shared_gpu else max(0.0, waiting - overlapped)
             terms["steps_d"] = self.steps_ms(c.decode_id, c.decode_running)
         return Estimate(c, sum(terms.values()), terms)
 

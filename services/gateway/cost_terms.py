@@ -26,13 +26,17 @@ class Candidate(NamedTuple):
     prefill_load: int = 0
     prefill_hit: int = 0
     decode_running: int = 0  # D's requests past their first token (inside decode_load)
-    shared_gpu: bool = False  # P and D on one GPU: D's waiting prefills and P's take turns
+    shared_gpu: bool = False  # P and D on one device: D's waiting prefills are in P's turns
+    # the queued compute (ms) of the other engines on P's and on D's device (heartbeats' ``gpu``:
+    # a GPU, or a CPU engine's pinned cores): they take turns with it
+    prefill_device_ms: float = 0.0
+    decode_device_ms: float = 0.0
 
     @property
     def label(self) -> str:
         if self.prefill_id is None:
             return f"{self.mode.value} {self.decode_id}"
-        turns = " (one GPU)" if self.shared_gpu else ""  # the trace says why wait_d is whole
+        turns = " (one device)" if self.shared_gpu else ""  # the trace says why wait_d is 0
         return f"{self.mode.value} {self.prefill_id}>{self.decode_id}{turns}"
 
 
@@ -63,16 +67,17 @@ class TransferShare(NamedTuple):
 
     fixed: float  # the hand-off and D's steps
     tail: float  # the transfer's tail of what D lacks (after P's compute)
-    wait: float  # D's waiting LOCAL prefills: they overlap P's part and the tail
+    wait: float  # D's waiting LOCAL prefills and its device's other queued compute: they
+    # overlap P's part and the tail
 
     def total(self, prefill_part: float) -> float:
         part = prefill_part + self.tail
         return self.fixed + (self.wait if self.wait > part else part)  # max(part, wait)
 
     def in_turns(self, prefill_part: float) -> float:
-        """``total`` for a P on D's own GPU: D's waiting prefills and P's part take turns on
-        its compute instead of overlapping."""
-        return self.fixed + prefill_part + self.tail + self.wait
+        """``total`` for a P on D's own device: D's waiting prefills take turns with P's, and
+        are in P's part already (its device's queued compute), so only P's part and the tail."""
+        return self.fixed + prefill_part + self.tail
 
     @staticmethod
     def totals(shares: Iterable[ShareTerms], prefill_part: float) -> list[float]:

@@ -6,17 +6,17 @@ every (P, D) pair. A transfer's estimate is a D share's total for a P part
 (``CostModel.prefill_parts`` and ``decode_parts``), which grows with the P part, so the
 cheapest pair is the cheapest P with the D cheapest for it: O(P + D) parts, then the pairs of
 the ``ALTERNATIVES`` + 1 cheapest of each side, and full estimates (with their terms) only for
-the choice and its runners-up. A D on the cheapest P's GPU (heartbeats' ``gpu``) takes turns
-with it (``TransferShare.in_turns``, never below ``total``): its cheapest pair is that P in
-turns or the cheapest P on another GPU, whichever is less (still exact, still O(P + D)).
-Equal costs go to the least-loaded worker, as the least-loaded policy orders them
-(``decode_order``, ``prefill_order``), and a LOCAL/transfer tie to LOCAL (less work). Each
-worker's heartbeat, load, prefix hit and ``CostModel.view`` are read once per decision, in one
-pass a role, whatever the modes.
+the choice and its runners-up. Each part holds its device's other queued compute
+(``device_share``); a D on the cheapest P's device (heartbeats' ``gpu``) takes turns with it
+(``TransferShare.in_turns``, never below ``total``: P's part holds D's queue): its cheapest
+pair is that P in turns or the cheapest P elsewhere, whichever is less (exact, O(P + D)).
+Equal costs go to the least-loaded worker (``decode_order``, ``prefill_order``), a
+LOCAL/transfer tie to LOCAL (less work). Each worker's heartbeat, load, prefix hit and
+``CostModel.view`` are read once per decision.
 
 Only a candidate that can still be among the ``ALTERNATIVES`` + 1 cheapest is ranked: LOCAL on
 the D no dearer than the cheapest few LOCAL, and of the other few P's pairs those no dearer
-than the cheapest few ranked before them (a D on no GPU has its pairs priced only up to the
+than the cheapest few ranked before them (a D on no device has its pairs priced only up to the
 first dearer one: its total only grows with the P part, rounding included). Each one left out
 is dearer than ``ALTERNATIVES`` + 1 kept: the choice and the runners-up (the explanation) are
 those of ranking every candidate named above, to the bit (tests/unit/test_route_choice.py).
@@ -47,6 +47,7 @@ from kvpush.services.gateway.cost_model import (
     ShareTerms,
     TransferShare,
 )
+from kvpush.services.gateway.device_share import device_queues
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -161,21 +162,24 @@ def choose(
 ) -> Choice[W]:
     """The cheapest candidate of ``modes`` over the given live workers (``decodes`` non-empty;
     ``prefills`` non-empty when a mode other than LOCAL is allowed)."""
-    transfer = None  # the first of modes that is no LOCAL: its shares are made with LOCAL's
-    for mode in modes:
-        if mode is not TransferMode.LOCAL:
-            transfer = mode
-            break
+    # the first of modes that is no LOCAL: its shares are made with LOCAL's
+    transfer = next((mode for mode in modes if mode is not TransferMode.LOCAL), None)
     # each worker's heartbeat, load and prefix hit are read once, for every mode, in one pass a
     # role (the router asks this of every worker per request)
     whole, most = max(prompt_tokens, 0), prompt_tokens - 1
     get = hits.get if hits and most > 0 else None
-    d_rows, d_keys = _read_decodes(decodes, get, whole, most)
-    local_parts, shares = model.decode_parts(transfer, d_rows)
-    p_rows: list[PrefillRow] = []
-    p_keys: list[_PrefillKey] = []
-    p_gpus: list[str] = []
-    p_parts: list[float] = []
+    d_rows, d_keys, d_gpus = _read_decodes(decodes, get, whole, most)
+    read = bool(prefills) and (transfer is not None or any(d_gpus))  # P's queues slow D's too
+    p_rows, p_keys, p_gpus = _read_prefills(prefills, get, whole, most) if read else ([], [], [])
+    p_device = d_device = None  # the other engines' queued compute on each one's device
+    if any(d_gpus) or any(p_gpus):
+        p_device, d_device = device_queues(
+            model.view,
+            [(w, load, g) for (w, load, _), g in zip(p_rows, p_gpus, strict=True)],
+            [(w, load - run, g) for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)],
+        ) or (None, None)
+    local_parts, shares = model.decode_parts(transfer, d_rows, d_device)
+    p_parts = model.prefill_parts(p_rows, p_device) if transfer is not None else []
     ranked: list[_Ranked] = []  # the cheapest is the smallest
     for mode in modes:
         if mode is TransferMode.LOCAL:
@@ -187,11 +191,8 @@ def choose(
                 if cost <= cut
             ]
             continue
-        if not p_rows:
-            p_rows, p_keys, p_gpus = _read_prefills(prefills, get, whole, most)
-            p_parts = model.prefill_parts(p_rows)
         if mode is not transfer:  # another transfer mode: its own shares
-            shares = model.decode_parts(mode, d_rows)[1]
+            shares = model.decode_parts(mode, d_rows, d_device)[1]
         rank = 1 if mode is TransferMode.PUSH else 2
         _rank_pairs(ranked, rank, shares, decodes, d_keys, p_parts, p_keys, p_gpus)
     ranked.sort()
@@ -206,6 +207,7 @@ def choose(
                 whole - missing,
                 prompt_tokens,
                 decode_running=running,
+                decode_device_ms=d_device[i] if d_device else 0.0,
             )
         else:
             prefill_id, prefill_load, prefill_missing = p_rows[j]
@@ -220,34 +222,39 @@ def choose(
                 prefill_load,
                 whole - prefill_missing,
                 decode_running=running,
-                shared_gpu=bool(gpu) and gpu == decodes[i].gpu,
+                shared_gpu=bool(gpu) and gpu == d_gpus[i],
+                prefill_device_ms=p_device[j] if p_device else 0.0,
+                decode_device_ms=d_device[i] if d_device else 0.0,
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(Estimate(candidate, cost) if estimates else model.estimate(candidate))
     _, _, _, _, best_p, best_d = ranked[0]
     prefill = prefills[best_p] if best_p >= 0 else None
     carrier = None
-    if prefill is None and p_keys:  # the first least-loaded, as min(prefills, key=prefill_order)
+    if prefill is None and transfer is not None:  # the first least-loaded (prefill_order)
         carrier = prefills[p_keys.index(min(p_keys))]
     return Choice(decodes[best_d], prefill, estimates[0], tuple(estimates[1:]), carrier)
 
 
 def _read_decodes(
     decodes: Sequence[LiveWorker], get: Callable[[str, int], int] | None, whole: int, most: int
-) -> tuple[list[DecodeRow], list[_DecodeKey]]:
-    """Each D's row for ``CostModel.decode_parts`` and its ``decode_order`` key. A prefix hit
+) -> tuple[list[DecodeRow], list[_DecodeKey], list[str]]:
+    """Each D's row for ``CostModel.decode_parts``, its ``decode_order`` key and its device
+    (``device_share``; "": none). A prefix hit
     (``get``, None: no hits) is never the prompt's last token (vLLM computes it whatever its
     cache holds): max(0, min(hit, most)), without two calls per worker (``most`` > 0 with
     ``get``); the row holds the tokens missing of the ``whole`` prompt."""
     rows: list[DecodeRow] = []
     keys: list[_DecodeKey] = []
+    gpus: list[str] = []
     for d in decodes:
         worker_id = d.worker_id
         load, running = d.load_running()
         hit = 0 if get is None or (hit := get(worker_id, 0)) <= 0 else most if hit > most else hit
         rows.append((worker_id, load, running, whole - hit))
         keys.append((load, -d.heartbeat.free_blocks, d.last_pick))
-    return rows, keys
+        gpus.append(d.gpu)
+    return rows, keys, gpus
 
 
 def _read_prefills(
@@ -329,7 +336,7 @@ def _rank_pairs(
         fixed, tail, wait = shares[i]
         for p_cost, p_key, j in other_ps:  # by P's part, rising
             if d_gpu and d_gpu == p_gpus[j]:  # TransferShare.in_turns, inline
-                cost = fixed + p_cost + tail + wait
+                cost = fixed + p_cost + tail
             else:  # TransferShare.total, inline
                 cost = fixed + (wait if wait > (part := p_cost + tail) else part)
             if cost > limit:

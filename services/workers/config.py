@@ -90,11 +90,15 @@ class WorkerConfig:
 
     @property
     def gpu_identity(self) -> str:
-        """The GPU this worker's engine runs on as heartbeats name it, ``<host>/gpu<id>``: ``--gpu``
-        (the engine's ``CUDA_VISIBLE_DEVICES``, engine_config.engine_env), else the first GPU
-        the inherited ``CUDA_VISIBLE_DEVICES`` lists (else 0); "" on CPU."""
+        """The device this worker's engine computes on as heartbeats name it (engines on one
+        device take turns on its compute: the router's ``device_share``): on CUDA its GPU,
+        ``<host>/gpu<id>``: ``--gpu`` (the engine's ``CUDA_VISIBLE_DEVICES``,
+        engine_config.engine_env), else the first GPU the inherited ``CUDA_VISIBLE_DEVICES``
+        lists (else 0); on CPU the cores ``--cpus`` pins it to, ``<host>/cpu<c>[,<c>...]``
+        ("": not pinned, no device known)."""
         if resolve_device(self.device) != "cuda":
-            return ""
+            cores = ",".join(map(str, sorted(set(self.cpu_cores or ()))))
+            return f"{socket.gethostname()}/cpu{cores}" if cores else ""
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
         gpu = str(self.gpu) if self.gpu is not None else inherited or "0"
         return f"{socket.gethostname()}/gpu{gpu}"

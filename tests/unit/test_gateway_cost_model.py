@@ -12,7 +12,7 @@ from kvpush.services.gateway import cost_model
 from kvpush.services.gateway.cost_model import Candidate, CostModel
 from kvpush.services.gateway.route_choice import RouteReason
 from kvpush.services.gateway.routing import Router, RoutingPolicy
-from kvpush.services.gateway.worker_registry import WorkerRegistry
+from kvpush.services.gateway.worker_registry import WorkerRegistry, WorkerState
 from tests.unit.beats import Clock, beat
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE
@@ -80,6 +80,7 @@ def test_estimates_use_the_priors_before_any_measurement() -> None:
     assert local.terms == {
         "overhead": cost_model.PRIOR_LOCAL_OVERHEAD_MS,
         "wait_d": 2 * cost_model.PRIOR_SERVICE_MS,
+        "device_d": 0.0,  # no other engine on its device
         "decoding_d": 0.0,
         "compute_d": compute,
     }
@@ -276,11 +277,12 @@ def test_a_p_on_d_s_own_gpu_takes_turns_with_d_s_waiting_prefills(
     assert shared.mode is LOCAL, shared.explanation  # in turns the push is no cheaper
     pushes = [e for e in shared.explanation.alternatives if e.candidate.mode is PUSH]
     assert pushes and all(e.candidate.shared_gpu for e in pushes)
-    assert all(e.candidate.label.endswith(" (one GPU)") for e in pushes)  # the trace says so
+    assert all(e.candidate.label.endswith(" (one device)") for e in pushes)  # the trace says so
     for found in pushes:  # the O(P + D) totals and the full estimate agree
         full = router.costs.estimate(found.candidate)
         assert full.total_ms == pytest.approx(found.total_ms)
-        assert full.terms["wait_d"] > 0
+        # D's queued prefills are P's device's queue, not a wait past P's part
+        assert full.terms["wait_d"] == 0.0 and full.terms["device_p"] >= 400.0
 
 
 def test_a_long_prompt_with_an_idle_prefill_worker_goes_push(registry: WorkerRegistry) -> None:
@@ -568,6 +570,15 @@ def test_the_cheapest_pair_is_found_when_some_workers_share_a_gpu(
     def shared(p: str, d: str) -> bool:
         return bool(gpu_of[p]) and gpu_of[p] == gpu_of[d]
 
+    def queued(state: WorkerState) -> float:
+        waiting = state.load if state in prefills else max(0, state.load - state.running)
+        return waiting * model.view(state.worker_id).service_ms
+
+    def device(state: WorkerState) -> float:  # the others' queued compute on its device
+        gpu = gpu_of[state.worker_id]
+        others = [w for w in (*decodes, *prefills) if w is not state and gpu_of[w.worker_id]]
+        return sum(queued(w) for w in others if gpu and gpu_of[w.worker_id] == gpu)
+
     best = min(
         model.estimate(
             Candidate(
@@ -581,6 +592,8 @@ def test_the_cheapest_pair_is_found_when_some_workers_share_a_gpu(
                 0,
                 decode_running=d.running,
                 shared_gpu=shared(p.worker_id, d.worker_id),
+                prefill_device_ms=device(p),
+                decode_device_ms=device(d),
             )
         ).total_ms
         for d in decodes

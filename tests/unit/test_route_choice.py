@@ -13,6 +13,7 @@ import pytest
 
 from kvpush.schemas.messages import Timing, TransferMode, WorkerRole
 from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate, TransferShare
+from kvpush.services.gateway.device_share import device_queues
 from kvpush.services.gateway.route_choice import (
     ALTERNATIVES,
     choose,
@@ -48,10 +49,18 @@ def ranked_in_full(
     d_rows = [(d.worker_id, *d.load_running(), whole - hit(d.worker_id)) for d in decodes]
     p_rows = [(p.worker_id, p.load, whole - hit(p.worker_id)) for p in prefills]
     d_keys, p_keys = [decode_order(d) for d in decodes], [prefill_order(p) for p in prefills]
-    p_parts = model.prefill_parts(p_rows)
+    p_device, d_device = device_queues(
+        model.view,
+        [(p.worker_id, p.load, p.gpu) for p in prefills],
+        [
+            (d_id, load - run, d.gpu)
+            for (d_id, load, run, _), d in zip(d_rows, decodes, strict=True)
+        ],
+    ) or ([0.0] * len(prefills), [0.0] * len(decodes))
+    p_parts = model.prefill_parts(p_rows, p_device)
     ranked: list[tuple] = []
     for mode in modes:
-        local_parts, terms = model.decode_parts(None if mode is LOCAL else mode, d_rows)
+        local_parts, terms = model.decode_parts(None if mode is LOCAL else mode, d_rows, d_device)
         if mode is LOCAL:
             ranked += [(cost, 0, d_keys[i], (), -1, i) for i, cost in enumerate(local_parts)]
             continue
@@ -89,7 +98,7 @@ def ranked_in_full(
         if j < 0:
             candidate = Candidate(
                 LOCAL, d_id, load, whole - missing, prompt_tokens, None, 0, 0, running
-            )
+            )._replace(decode_device_ms=d_device[i])
         else:
             p_id, p_load, p_missing = p_rows[j]
             shared = bool(prefills[j].gpu) and prefills[j].gpu == decodes[i].gpu
@@ -105,6 +114,8 @@ def ranked_in_full(
                 whole - p_missing,
                 running,
                 shared,
+                p_device[j],
+                d_device[i],
             )
         estimates.append(Estimate(candidate, cost) if estimates else model.estimate(candidate))
     best_p, best_d = ranked[0][4], ranked[0][5]
@@ -190,9 +201,27 @@ def test_the_choice_is_the_cheapest_of_every_candidate(seed: int) -> None:
     def hit(state: WorkerState) -> int:
         return max(0, min(hits.get(state.worker_id, 0), most))
 
+    def queued(state: WorkerState) -> float:
+        waiting = state.load if state in prefills else max(0, state.load - state.running)
+        return waiting * model.view(state.worker_id).service_ms
+
+    def device(state: WorkerState) -> float:  # the others' queued compute on its device
+        everyone = [*prefills, *decodes]
+        return sum(
+            queued(w) for w in everyone if w is not state and state.gpu and w.gpu == state.gpu
+        )
+
     costs = [
         model.estimate(
-            Candidate(LOCAL, d.worker_id, d.load, hit(d), prompt_tokens, decode_running=d.running)
+            Candidate(
+                LOCAL,
+                d.worker_id,
+                d.load,
+                hit(d),
+                prompt_tokens,
+                decode_running=d.running,
+                decode_device_ms=device(d),
+            )
         ).total_ms
         for d in decodes
     ]
@@ -209,6 +238,8 @@ def test_the_choice_is_the_cheapest_of_every_candidate(seed: int) -> None:
                 hit(p),
                 decode_running=d.running,
                 shared_gpu=bool(p.gpu) and p.gpu == d.gpu,
+                prefill_device_ms=device(p),
+                decode_device_ms=device(d),
             )
         ).total_ms
         for d in decodes
@@ -222,19 +253,30 @@ def test_the_choice_is_the_cheapest_of_every_candidate(seed: int) -> None:
 def test_the_per_request_parts_are_the_estimates_totals(seed: int) -> None:
     """``decode_parts`` and ``prefill_parts`` price every worker per request; ``estimate``
     prices the choice with its terms: LOCAL's are the same sum, a pair's the same value."""
-    model, decodes, prefills, _, prompt_tokens = random_fleet(random.Random(seed))
+    rng = random.Random(seed)
+    model, decodes, prefills, _, prompt_tokens = random_fleet(rng)
     missing = max(prompt_tokens, 0)
     d_rows = [(d.worker_id, *d.load_running(), missing) for d in decodes]
-    p_parts = model.prefill_parts([(p.worker_id, p.load, missing) for p in prefills])
+    p_device = [rng.choice([0.0, rng.uniform(0, 500)]) for _ in prefills]  # others' queues
+    d_device = [rng.choice([0.0, rng.uniform(0, 500)]) for _ in decodes]
+    p_rows = [(p.worker_id, p.load, missing) for p in prefills]
+    p_parts = model.prefill_parts(p_rows, p_device)
     for mode in (PUSH, PULL):
-        local_parts, shares = model.decode_parts(mode, d_rows)
-        for (d_id, load, running, _), local, share in zip(d_rows, local_parts, shares, strict=True):
-            alone = Candidate(LOCAL, d_id, load, 0, prompt_tokens, decode_running=running)
-            assert local == model.estimate(alone).total_ms
-            for p, part in zip(prefills, p_parts, strict=True):
-                pair = Candidate(
-                    mode, d_id, load, 0, prompt_tokens, p.worker_id, p.load, 0, running
-                )
-                assert TransferShare(*share).total(part) == pytest.approx(
-                    model.estimate(pair).total_ms
-                )
+        local_parts, shares = model.decode_parts(mode, d_rows, d_device)
+        for i, (d_id, load, running, _) in enumerate(d_rows):
+            alone = Candidate(LOCAL, d_id, load, 0, prompt_tokens, decode_running=running)._replace(
+                decode_device_ms=d_device[i]
+            )
+            assert local_parts[i] == model.estimate(alone).total_ms
+            for j, (p, part) in enumerate(zip(prefills, p_parts, strict=True)):
+                for shared in (False, True):
+                    pair = Candidate(
+                        mode, d_id, load, 0, prompt_tokens, p.worker_id, p.load, 0, running
+                    )._replace(
+                        shared_gpu=shared,
+                        prefill_device_ms=p_device[j],
+                        decode_device_ms=d_device[i],
+                    )
+                    share = TransferShare(*shares[i])
+                    total = share.in_turns(part) if shared else share.total(part)
+                    assert total == pytest.approx(model.estimate(pair).total_ms)

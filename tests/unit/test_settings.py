@@ -441,15 +441,17 @@ def test_a_worker_names_its_gpu_in_heartbeats_as_its_engine_sees_it(
     """Workers on one GPU name it alike (the router does not overlap their prefills)."""
     import socket
 
-    def named(device: str, gpu: int | None) -> str:
+    def named(device: str, gpu: int | None, cores: list[int] | None = None) -> str:
         config = worker_config.WorkerConfig(
-            WorkerRole.DECODE, "d", "m", "m", device=device, gpu=gpu
+            WorkerRole.DECODE, "d", "m", "m", device=device, gpu=gpu, cpu_cores=cores
         )
         return config.gpu_identity
 
     host = socket.gethostname()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert named("cpu", None) == ""  # a CPU engine: no GPU to share
+    assert named("cpu", None) == ""  # a CPU engine on any core: no device known
+    assert named("cpu", None, [1]) == f"{host}/cpu1"  # pinned: its cores are its device
+    assert named("cpu", None, [3, 2, 3]) == f"{host}/cpu2,3"  # the same cores, the same name
     assert named("cuda", 1) == f"{host}/gpu1"
     assert named("cuda", None) == f"{host}/gpu0"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
