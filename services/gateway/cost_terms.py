@@ -50,6 +50,11 @@ class Estimate(NamedTuple):
     def __str__(self) -> str:
         return f"{self.candidate.label} {self.total_ms:.1f}ms"
 
+    @property
+    def terms_text(self) -> str:
+        """Its terms as the trace shows them: ``handoff 2.0; wait_p 0.0; device_p 512.3; ...``."""
+        return "; ".join(f"{name} {ms:.1f}" for name, ms in self.terms.items())
+
 
 PrefillRow = tuple[str, int, int]
 """What ``CostModel.prefill_parts`` reads of one P: its id, its load and the prompt tokens its

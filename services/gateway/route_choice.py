@@ -131,6 +131,7 @@ class RouteExplanation:
             "kvpush.route.choice": self.choice.candidate.label,
             "kvpush.route.reason": self.reason.value,
             "kvpush.route.estimate_ms": round(self.choice.total_ms, 3),
+            "kvpush.route.terms": self.choice.terms_text,  # what the estimate adds up
             "kvpush.route.candidates": self.candidates_text(),
             "kvpush.route.prefix_tokens": [self.prefill_prefix_tokens, self.decode_prefix_tokens],
         }

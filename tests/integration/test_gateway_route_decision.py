@@ -35,6 +35,7 @@ async def test_each_decision_shows_in_the_span_and_the_metrics(
     assert pull.attributes["kvpush.route.choice"] == f"pull {p}>{d}"
     assert pull.attributes["kvpush.route.reason"] == "override"
     assert pull.attributes["kvpush.route.estimate_ms"] > 0
+    assert str(pull.attributes["kvpush.route.terms"]).startswith("handoff ")  # its terms
     assert str(pull.attributes["kvpush.route.candidates"]).startswith(f"pull {p}>{d} ")
     assert tuple(pull.attributes["kvpush.route.prefix_tokens"]) == (0, 0)  # no index here
     _, text = await s.call("GET", "/metrics")

@@ -75,6 +75,8 @@ def test_a_burst_of_cold_prompts_on_two_cores_is_computed_on_the_decode_workers(
     assert last is not None and last.choice.terms["wait_d"] == pytest.approx(500.0)
     pushes = [e for e in last.alternatives if e.candidate.mode is PUSH]
     assert pushes and all(e.candidate.prefill_device_ms >= 500.0 for e in pushes)
+    assert "device_d 0.0" in last.span_attributes()["kvpush.route.terms"]  # D's core: idle
+    assert "wait_d 500.0" in last.span_attributes()["kvpush.route.terms"]  # one of its own
 
 
 def test_without_devices_named_the_same_burst_is_pushed_in_part() -> None:
