@@ -2,8 +2,10 @@
 less at P50 with 10k cached prefixes and 16 workers).
 
 A ``Router`` in the routed policy over 16 workers (8 prefill, 8 decode: fake heartbeats with
-varied loads) and the gateway's real prefix index (``services/gateway/prefix_index.PrefixIndex``,
-fed ``CacheEvents`` as the workers send them) holding ``--prefixes`` cached prefixes (random
+varied loads; P i and D i name one device, as ``kvpush up`` pins a P and a D to each core or
+GPU, so each decision also sums the queues of each device: ``device_share``) and the
+gateway's real prefix index (``services/gateway/prefix_index.PrefixIndex``, fed
+``CacheEvents`` as the workers send them) holding ``--prefixes`` cached prefixes (random
 prompts of 256-1024 tokens, spread over the 16 workers). The cost model is warmed with
 measurements first, so every decision weighs every candidate (LOCAL on each D, push on each
 (P, D) pair; ``route_choice`` ranks those that can be among the cheapest few) rather than the
@@ -95,6 +97,7 @@ class Fleet:
                 total_blocks=200_000,
                 sent_at_ms=0,
                 sends_first_token=True,
+                gpu=f"bench/cpu{i}",  # P i and D i share a device, as kvpush up pins them
             )
             for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
             for i in range(WORKERS)
@@ -276,6 +279,7 @@ def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, An
             "index_entries": len(fleet.index),
             "index_build_s": round(built_s, 2),
             "workers": {"prefill": WORKERS, "decode": WORKERS},
+            "devices": "P i and D i on device i",  # heartbeats' gpu: device_share's pass
             "block_size": BLOCK_SIZE,
             "repeats": repeats,
             "rounds": rounds,
@@ -333,7 +337,8 @@ def table(results: dict[str, Any]) -> str:
     )
     meta = results["meta"]
     note = (
-        f"Routed policy, {meta['workers']['prefill']} P + {meta['workers']['decode']} D,"
+        f"Routed policy, {meta['workers']['prefill']} P + {meta['workers']['decode']} D"
+        f"{' (' + meta['devices'] + ')' if meta.get('devices') else ''},"
         f" {meta['index']} holding {meta['prefixes']} cached prefixes"
         f" ({meta['index_entries']} block entries, {meta['block_size']}-token blocks),"
         f" warm cost model (every candidate weighed); {meta['repeats']} timed calls per row"

@@ -66,8 +66,8 @@ and an idle P favour a transfer, yet a push to a D with more prefills queued tha
 no cheaper than they are. Engines on one device take turns on its compute (one GPU's SMs, or
 the cores two CPU engines are pinned to): a prefill waits for the prefills queued on every
 engine of its device, not only its own (``device_share.device_queues``; without it a burst of
-cold prompts on two cores was priced as if each engine had a core of its own: 554-617 ms
-estimated, 1.39-1.74 s taken, on the CPU routing benchmark).
+cold prompts on two cores was priced as if each engine had a core of its own, and took far
+longer than estimated on the CPU routing benchmark: docs/benchmarks/routing/results.md).
 
 The estimate splits into a P part and a D share (``prefill_parts``; ``decode_parts``: LOCAL's
 estimate and the transfer share, each over the workers' ``view``, load and prompt tokens missing

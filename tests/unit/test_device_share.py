@@ -65,8 +65,7 @@ def two_core_fleet(devices: bool) -> Router:
 def test_a_burst_of_cold_prompts_on_two_cores_is_computed_on_the_decode_workers() -> None:
     """Four cold prompts at once: priced by device, a push from P0 waits for D0's prefill on
     their shared core, so each D computes two, alone on its core (priced per engine, two were
-    pushed by a P sharing a core with a busy D: 1.39-1.74 s taken against 554-617 ms estimated
-    on the CPU routing benchmark)."""
+    pushed by a P sharing a core with a busy D: the CPU routing benchmark's slowest requests)."""
     router = two_core_fleet(devices=True)
     routes = [router.route(list(range(1024))) for _ in range(4)]
     assert [r.mode for r in routes] == [LOCAL] * 4, [r.explanation for r in routes]
