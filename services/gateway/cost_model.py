@@ -53,21 +53,13 @@ Estimates (``estimate(candidate)``, milliseconds, with their terms)::
 D needs only the blocks it lacks: D's connector announces (push) or READs (pull) the prompt's
 tokens past its own block-aligned prefix hit (``connector/vllm/scheduler.py``), so a prefix hit
 on D shrinks the transfer: that is prefix-partial push. P computes what its own prefix cache
-lacks. A LOCAL request waits behind D's prefills (its LOCAL requests not past their first
-token, and those sent since D's heartbeat) each a service time, and D's other requests
-(``running``: decoding, or waiting for their KV) each add a join time: vLLM batches a new
-prompt with the running decodes, it does not queue it behind them. (A service time each read a
-D streaming four answers as four prefills ahead on the CPU routing benchmark; a step each put
-LOCAL's estimate far above its TTFT under load on one GPU, docs/benchmarks/routing/load-h100.md,
-and the router pushed to a P sharing D's GPU: the slowest answers.) A disaggregated request
-waits on P's load and, on D, for D's waiting LOCAL prefills only past the time P takes (they run
-while P computes, and a push landing during them waits) and for steps: a D busy with prefills
-and an idle P favour a transfer, yet a push to a D with more prefills queued than P's work is
-no cheaper than they are. Engines on one device take turns on its compute (one GPU's SMs, or
-the cores two CPU engines are pinned to): a prefill waits for the prefills queued on every
-engine of its device, not only its own (``device_share.device_queues``; without it a burst of
-cold prompts on two cores was priced as if each engine had a core of its own, and took far
-longer than estimated on the CPU routing benchmark: docs/benchmarks/routing/results.md).
+lacks. A LOCAL request waits a service time behind each of D's prefills, and a join time for
+each request D runs (vLLM batches a new prompt with the running decodes). A transfer waits on
+P's load and, on D, for D's waiting prefills only past the time P takes (they run while P
+computes) and for steps. Engines on one device take turns on its compute (one GPU's SMs, or the
+cores two CPU engines are pinned to): a prefill waits for the prefills queued on every engine
+of its device (``device_sums``, ``device_share``). docs/operating.md ("Routing") says why each
+term is what it is, with the measurements that made it so.
 
 The estimate splits into a P part and a D share (``prefill_parts``; ``decode_parts``: LOCAL's
 estimate and the transfer share, each over the workers' ``view``, load and prompt tokens missing
@@ -81,7 +73,7 @@ Threading model: the gateway's event loop only (learning and estimating); no loc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Final
@@ -89,16 +81,20 @@ from typing import Final
 from kvpush.connector import BoundedDict
 from kvpush.schemas.messages import KvPushed, Timing, TransferMode
 from kvpush.services.gateway.cost_terms import (
+    EWMA_WEIGHT,
     Candidate,
     DecodeRow,
     Estimate,
+    Ewma,
     PrefillRow,
     ShareTerms,
     TransferShare,
     WorkerView,
+    measured_of,
 )
 
 __all__ = [
+    "EWMA_WEIGHT",
     "Candidate",
     "CostModel",
     "DecodeRow",
@@ -127,30 +123,10 @@ PRIOR_HANDOFF_MS: Final = 2.0
 """Bus hops and block announcement of a disaggregated request."""
 PRIOR_LOCAL_OVERHEAD_MS: Final = 0.5
 """The bus hop of a LOCAL request to D."""
-EWMA_WEIGHT: Final = 0.2
-"""Weight of a new sample in every EWMA (about the last ten requests count)."""
 WARM_SAMPLES: Final = 3
 """Prefill-rate samples needed before modes are compared by cost."""
 MAX_WORKERS: Final = 4096
 """Workers whose measurements are kept (the oldest measured are dropped past it)."""
-
-
-@dataclass(slots=True)
-class Ewma:
-    """An exponentially weighted mean; ``samples`` counts its updates (0: ``prior``)."""
-
-    prior: float
-    value: float = 0.0
-    samples: int = 0
-
-    def __post_init__(self) -> None:
-        self.value = self.prior
-
-    def update(self, sample: float) -> None:
-        self.value = (
-            sample if not self.samples else self.value + EWMA_WEIGHT * (sample - self.value)
-        )
-        self.samples += 1
 
 
 @dataclass(slots=True)
@@ -161,11 +137,6 @@ class WorkerCosts:
     service_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_SERVICE_MS))
     step_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))
     join_ms: Ewma = field(default_factory=lambda: Ewma(PRIOR_STEP_MS))  # unmeasured: step_ms
-
-
-def _measured(own: Ewma | None, fleet: Ewma) -> Ewma:
-    """A worker's own EWMA where it has samples, else the fleet's."""
-    return own if own is not None and own.samples else fleet
 
 
 class CostModel:
@@ -193,10 +164,10 @@ class CostModel:
         if found is not None:
             return found
         own, fleet = self.workers.get(worker_id), self.fleet
-        rate = _measured(own.tokens_per_s if own else None, fleet.tokens_per_s)
-        service = _measured(own.service_ms if own else None, fleet.service_ms)
-        step = _measured(own.step_ms if own else None, fleet.step_ms).value
-        join = _measured(own.join_ms if own else None, fleet.join_ms)
+        rate = measured_of(own.tokens_per_s if own else None, fleet.tokens_per_s)
+        service = measured_of(own.service_ms if own else None, fleet.service_ms)
+        step = measured_of(own.step_ms if own else None, fleet.step_ms).value
+        join = measured_of(own.join_ms if own else None, fleet.join_ms)
         found = WorkerView(  # the join time is the step time until one is measured
             1000.0 / rate.value, service.value, step, join.value if join.samples else step
         )
@@ -220,39 +191,65 @@ class CostModel:
     def _tail_share(self, mode: TransferMode) -> float:
         return self.push_tail_share.value if mode is TransferMode.PUSH else 1.0
 
+    def device_sums(
+        self,
+        prefills: Iterable[PrefillRow],
+        p_devices: Iterable[str],
+        decodes: Iterable[DecodeRow],
+        d_devices: Iterable[str],
+    ) -> dict[str, float]:
+        """Per device (heartbeats' ``gpu``; "" left out), the queued compute of its engines, in
+        ms of each one's service time: each P's load and each D's waiting LOCAL prefills. A
+        worker's ``device(W)`` is its device's sum less its own (``device_share.others``)."""
+        memo, view = self._views, self.view  # the memo read inline: asked of every worker
+        sums: dict[str, float] = {}
+        for (worker_id, load, _), device in zip(prefills, p_devices, strict=True):
+            if device and load > 0:
+                own = load * (memo.get(worker_id) or view(worker_id)).service_ms
+                sums[device] = sums.get(device, 0.0) + own
+        for (worker_id, load, run, _), device in zip(decodes, d_devices, strict=True):
+            if device and load > run:
+                own = (load - run) * (memo.get(worker_id) or view(worker_id)).service_ms
+                sums[device] = sums.get(device, 0.0) + own
+        return sums
+
     def prefill_parts(
-        self, prefills: Iterable[PrefillRow], device_ms: Sequence[float] | None = None
+        self,
+        prefills: Iterable[PrefillRow],
+        devices: Iterable[str] | None = None,
+        sums: Mapping[str, float] | None = None,
     ) -> list[float]:
-        """Each P's share of a push/pull estimate: its wait, its device's other queued compute
-        (``device_share.device_queues``; None: none) and its compute. Per P: its id (its
-        ``view``), its load and the prompt tokens its prefix cache lacks (at least 0)."""
+        """Each P's share of a push/pull estimate: its wait, the other queued compute on its
+        device (``devices`` each P's, ``sums`` ``device_sums``'s; None: none) and its compute.
+        Per P: its id (its ``view``), its load and the prompt tokens its prefix cache lacks."""
         memo, view = self._views, self.view  # the memo read inline: asked of every P
-        if device_ms is None:
+        if sums is None or devices is None:
             return [
                 load * (w := memo.get(worker_id) or view(worker_id)).service_ms
                 + tokens * w.ms_per_token
                 for worker_id, load, tokens in prefills
             ]
         return [
-            load * (w := memo.get(worker_id) or view(worker_id)).service_ms
-            + device
+            (own := load * (w := memo.get(worker_id) or view(worker_id)).service_ms)
+            + (sums.get(device, 0.0) - own if device else 0.0)
             + tokens * w.ms_per_token
-            for (worker_id, load, tokens), device in zip(prefills, device_ms, strict=True)
+            for (worker_id, load, tokens), device in zip(prefills, devices, strict=True)
         ]
 
     def decode_parts(
         self,
         transfer: TransferMode | None,
         decodes: Iterable[DecodeRow],
-        device_ms: Sequence[float] | None = None,
+        devices: Iterable[str] | None = None,
+        sums: Mapping[str, float] | None = None,
     ) -> tuple[list[float], list[ShareTerms]]:
         """Each D's LOCAL estimate and, for a ``transfer`` mode (push or pull; None: none), its
         share of that mode's estimate (the hand-off, the transfer's tail of what D lacks, D's
         waiting prefills with its device's other queued compute, and its steps: a
         ``TransferShare``'s fields, as a plain tuple), in one pass. Per D: its id (its
         ``view``), its load, its requests past their first token (part of its load) and the
-        prompt tokens its prefix cache lacks (at least 0); ``device_ms``: each D's
-        ``device_share.device_queues`` (None: none)."""
+        prompt tokens its prefix cache lacks (at least 0); ``devices`` and ``sums`` as
+        ``prefill_parts`` reads them (None: none)."""
         memo, view = self._views, self.view  # the memo read inline: asked of every D
         base = self.local_overhead_ms.value
         handoff = self.handoff_ms.value
@@ -261,14 +258,18 @@ class CostModel:
         )
         parts: list[float] = []
         shares: list[ShareTerms] = []
-        devices = repeat(0.0) if device_ms is None else device_ms
-        for (worker_id, load, run, tokens), device in zip(decodes, devices, strict=False):
+        alone = sums is None or devices is None
+        for (worker_id, load, run, tokens), device in zip(
+            decodes, repeat("") if alone else devices, strict=False
+        ):
             ms_per_token, service_ms, step_ms, join_ms = memo.get(worker_id) or view(worker_id)
             # D's waiting prefills: max(0, load - run) of them, without a call per D
-            waiting = (load - run if load > run else 0) * service_ms + device
-            parts.append(base + waiting + run * join_ms + tokens * ms_per_token)
+            waiting = (load - run if load > run else 0) * service_ms
+            others = sums.get(device, 0.0) - waiting if device and sums else 0.0
+            parts.append(base + waiting + others + run * join_ms + tokens * ms_per_token)
             if transfer is not None:
-                shares.append((handoff + (1 + run) * step_ms, tokens * tail_per_token, waiting))
+                fixed = handoff + (1 + run) * step_ms
+                shares.append((fixed, tokens * tail_per_token, waiting + others))
         return parts, shares
 
     def estimate(self, c: Candidate) -> Estimate:

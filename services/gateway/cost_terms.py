@@ -1,15 +1,18 @@
 """The cost model's values: a candidate way to serve a prompt (``Candidate``), its estimate
-(``Estimate``), one D's share of a transfer's estimate (``TransferShare``) and what the
-estimates read of a worker (``WorkerView``); ``cost_model.CostModel`` makes and reads them.
+(``Estimate``), one D's share of a transfer's estimate (``TransferShare``), what the
+estimates read of a worker (``WorkerView``) and a learned mean (``Ewma``);
+``cost_model.CostModel`` makes and reads them.
 
-Threading model: immutable values.
+Threading model: immutable values, but for an ``Ewma``, which its owner (the gateway's loop)
+updates in place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from kvpush.schemas.messages import TransferMode
 
@@ -100,3 +103,30 @@ class WorkerView(NamedTuple):
     service_ms: float
     step_ms: float
     join_ms: float  # what each decoding request adds to a LOCAL prompt's first step
+
+
+EWMA_WEIGHT: Final = 0.2
+"""Weight of a new sample in every EWMA (about the last ten requests count)."""
+
+
+@dataclass(slots=True)
+class Ewma:
+    """An exponentially weighted mean; ``samples`` counts its updates (0: ``prior``)."""
+
+    prior: float
+    value: float = 0.0
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.value = self.prior
+
+    def update(self, sample: float) -> None:
+        self.value = (
+            sample if not self.samples else self.value + EWMA_WEIGHT * (sample - self.value)
+        )
+        self.samples += 1
+
+
+def measured_of(own: Ewma | None, fleet: Ewma) -> Ewma:
+    """A worker's own EWMA where it has samples, else the fleet's."""
+    return own if own is not None and own.samples else fleet

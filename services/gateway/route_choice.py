@@ -47,7 +47,7 @@ from kvpush.services.gateway.cost_model import (
     ShareTerms,
     TransferShare,
 )
-from kvpush.services.gateway.device_share import device_queues
+from kvpush.services.gateway.device_share import others
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -172,15 +172,11 @@ def choose(
     d_rows, d_keys, d_gpus = _read_decodes(decodes, get, whole, most)
     read = bool(prefills) and (transfer is not None or any(d_gpus))  # P's queues slow D's too
     p_rows, p_keys, p_gpus = _read_prefills(prefills, get, whole, most) if read else ([], [], [])
-    p_device = d_device = None  # the other engines' queued compute on each one's device
+    sums = None  # each device's queued compute: its engines take turns on it
     if any(d_gpus) or any(p_gpus):
-        p_device, d_device = device_queues(
-            model.view,
-            [(w, load, g) for (w, load, _), g in zip(p_rows, p_gpus, strict=True)],
-            [(w, load - run, g) for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)],
-        ) or (None, None)
-    local_parts, shares = model.decode_parts(transfer, d_rows, d_device)
-    p_parts = model.prefill_parts(p_rows, p_device) if transfer is not None else []
+        sums = model.device_sums(p_rows, p_gpus, d_rows, d_gpus)
+    local_parts, shares = model.decode_parts(transfer, d_rows, d_gpus, sums)
+    p_parts = model.prefill_parts(p_rows, p_gpus, sums) if transfer is not None else []
     ranked: list[_Ranked] = []  # the cheapest is the smallest
     for mode in modes:
         if mode is TransferMode.LOCAL:
@@ -193,13 +189,15 @@ def choose(
             ]
             continue
         if mode is not transfer:  # another transfer mode: its own shares
-            shares = model.decode_parts(mode, d_rows, d_device)[1]
+            shares = model.decode_parts(mode, d_rows, d_gpus, sums)[1]
         rank = 1 if mode is TransferMode.PUSH else 2
-        _rank_pairs(ranked, rank, shares, decodes, d_keys, p_parts, p_keys, p_gpus)
+        _rank_pairs(ranked, rank, shares, d_gpus, d_keys, p_parts, p_keys, p_gpus)
     ranked.sort()
     estimates: list[Estimate] = []
     for cost, rank, _, _, j, i in ranked[: ALTERNATIVES + 1]:
         decode_id, load, running, missing = d_rows[i]
+        waiting = model.wait_ms(decode_id, load - running) if load > running else 0.0
+        d_device = others(sums, d_gpus[i], waiting)
         if j < 0:
             candidate = Candidate(
                 TransferMode.LOCAL,
@@ -208,7 +206,7 @@ def choose(
                 whole - missing,
                 prompt_tokens,
                 decode_running=running,
-                decode_device_ms=d_device[i] if d_device else 0.0,
+                decode_device_ms=d_device,
             )
         else:
             prefill_id, prefill_load, prefill_missing = p_rows[j]
@@ -224,8 +222,8 @@ def choose(
                 whole - prefill_missing,
                 decode_running=running,
                 shared_gpu=bool(gpu) and gpu == d_gpus[i],
-                prefill_device_ms=p_device[j] if p_device else 0.0,
-                decode_device_ms=d_device[i] if d_device else 0.0,
+                prefill_device_ms=others(sums, gpu, model.wait_ms(prefill_id, prefill_load)),
+                decode_device_ms=d_device,
             )
         # the choice with its terms; the runners-up with their totals only
         estimates.append(Estimate(candidate, cost) if estimates else model.estimate(candidate))
@@ -280,7 +278,7 @@ def _rank_pairs(
     ranked: list[_Ranked],
     rank: int,
     shares: list[ShareTerms],
-    decodes: Sequence[LiveWorker],
+    d_gpus: list[str],
     d_keys: list[_DecodeKey],
     p_parts: list[float],
     p_keys: list[_PrefillKey],
@@ -294,19 +292,22 @@ def _rank_pairs(
     (cheapest_p, cheapest_key, cheapest_j), *other_ps = p_ranked
     totals = TransferShare.totals(shares, cheapest_p)
     partner: dict[int, tuple[_PrefillKey, int]] = {}  # D -> its cheapest P, if not that one
-    if gpu := p_gpus[cheapest_j]:
-        # a D on that P's GPU takes turns with it: its cheapest pair is that P in turns or
-        # the cheapest P elsewhere (each grows with P's part: exact, and still O(P + D))
-        away = min(
-            (
-                (cost, key, j)
-                for cost, key, j in zip(p_parts, p_keys, range(len(p_parts)), strict=True)
-                if p_gpus[j] != gpu
-            ),
-            default=None,
-        )
-        for i, d in enumerate(decodes):
-            if d.gpu == gpu:
+    if (gpu := p_gpus[cheapest_j]) and gpu in d_gpus:
+        # a D on that P's device takes turns with it: its cheapest pair is that P in turns or
+        # the cheapest P elsewhere (each grows with P's part: exact, and still O(P + D)), the
+        # first of the cheapest few on another device, else the cheapest of all the others
+        away = next((entry for entry in other_ps if p_gpus[entry[2]] != gpu), None)
+        if away is None and len(p_parts) > len(p_ranked):
+            away = min(
+                (
+                    (cost, key, j)
+                    for cost, key, j in zip(p_parts, p_keys, range(len(p_parts)), strict=True)
+                    if p_gpus[j] != gpu
+                ),
+                default=None,
+            )
+        for i, d_gpu in enumerate(d_gpus):
+            if d_gpu == gpu:
                 share = TransferShare(*shares[i])
                 totals[i] = share.in_turns(cheapest_p)
                 if away is not None and (apart := share.total(away[0])) < totals[i]:
@@ -322,28 +323,28 @@ def _rank_pairs(
         ranked += [(cost, rank, d_key, cheapest_key, cheapest_j, i) for cost, d_key, i in d_ranked]
     if not other_ps:
         return
-    # the other P's pairs with those D, each no dearer than the cheapest few so far: a pair of a
-    # D on no GPU costs no less than that D's cheapest pair, nor than its pair with a P whose
-    # part is less (``TransferShare.total`` grows with the P part, rounding included)
+    # the other P's pairs with those D, each no dearer than the cheapest few so far: a pair
+    # costs no less than that D's cheapest pair, nor than its ``TransferShare.total``, which
+    # grows with the P part (rounding included; in turns, P's part holds D's queue: no less)
     limit = (
         sorted([entry[0] for entry in ranked])[ALTERNATIVES]
         if len(ranked) > ALTERNATIVES
         else math.inf
     )
     for total, d_key, i in d_ranked:
-        d_gpu = decodes[i].gpu
-        if total > limit and not d_gpu:
+        if total > limit:
             continue
+        d_gpu = d_gpus[i]
         fixed, tail, wait = shares[i]
         for p_cost, p_key, j in other_ps:  # by P's part, rising
+            cost = fixed + (wait if wait > (part := p_cost + tail) else part)  # total, inline
+            if cost > limit:  # the next P's pair with this D costs no less
+                break
             if d_gpu and d_gpu == p_gpus[j]:  # TransferShare.in_turns, inline
                 cost = fixed + p_cost + tail
-            else:  # TransferShare.total, inline
-                cost = fixed + (wait if wait > (part := p_cost + tail) else part)
-            if cost > limit:
-                if not d_gpu:  # the next P's pair with this D costs no less
-                    break
-            elif not partner or j != partner.get(i, (None, -1))[1]:  # that pair: in already
+                if cost > limit:
+                    continue
+            if not partner or j != partner.get(i, (None, -1))[1]:  # that pair: in already
                 ranked.append((cost, rank, d_key, p_key, j, i))
 
 

@@ -9,8 +9,7 @@ import pytest
 
 from kvpush.schemas.messages import TransferMode, WorkerRole
 from kvpush.services.gateway.cost_model import CostModel
-from kvpush.services.gateway.cost_terms import WorkerView
-from kvpush.services.gateway.device_share import device_queues
+from kvpush.services.gateway.device_share import others
 from kvpush.services.gateway.routing import Router
 from kvpush.services.gateway.worker_registry import WorkerRegistry
 from tests.unit.beats import Clock, beat
@@ -25,24 +24,20 @@ P, D = WorkerRole.PREFILL, WorkerRole.DECODE
 LOCAL, PUSH = TransferMode.LOCAL, TransferMode.PUSH
 
 
-def test_each_worker_sees_the_other_engines_queues_on_its_device() -> None:
-    service = {"p0": 10.0, "p1": 20.0, "d0": 100.0, "d1": 300.0}
-
-    def view(worker_id: str) -> WorkerView:
-        return WorkerView(1.0, service[worker_id], 1.0, 1.0)
-
-    prefills = [("p0", 2, "h/cpu0"), ("p1", 1, "")]
-    decodes = [("d0", 1, "h/cpu0"), ("d1", 3, "h/cpu0")]
-    found = device_queues(view, prefills, decodes)
-    assert found is not None
-    p_device, d_device = found
-    assert p_device == [pytest.approx(100.0 + 900.0), 0.0]  # P1 names no device: alone
-    assert d_device == [pytest.approx(20.0 + 900.0), pytest.approx(20.0 + 100.0)]
-    # a D running more than its load holds queues nothing
-    service["d2"] = 50.0
-    found = device_queues(view, prefills, [*decodes, ("d2", -1, "h/cpu0")])
-    assert found is not None and found[1][2] == pytest.approx(20.0 + 100.0 + 900.0)
-    assert device_queues(view, [("p1", 1, "")], [("d0", 1, "")]) is None  # no device named
+def test_each_device_sums_its_engines_queues_and_a_worker_sees_the_others() -> None:
+    model = CostModel()
+    for name, took in (("p0", 10), ("d0", 100), ("d1", 300)):
+        model.learn(LOCAL, None, name, 1000, cached_tokens=0, timing=local_timing(1, took))
+    prefills = [("p0", 2, 50), ("p1", 1, 50)]  # p1 unmeasured: the fleet's service time
+    decodes = [("d0", 1, 0, 50), ("d1", 4, 1, 50), ("d2", 1, 3, 50)]  # d2: none waiting
+    sums = model.device_sums(prefills, ["h/cpu0", ""], decodes, ["h/cpu0", "h/cpu0", "h/cpu1"])
+    assert sums == {"h/cpu0": pytest.approx(2 * 10 + 100 + 3 * 300)}  # p1 names no device
+    assert others(sums, "h/cpu0", 2 * 10.0) == pytest.approx(100 + 900)
+    assert others(sums, "h/cpu1", 0.0) == 0.0  # alone on its device
+    assert others(sums, "", 5.0) == others(None, "h/cpu0", 5.0) == 0.0  # no device named
+    parts = model.prefill_parts(prefills, ["h/cpu0", ""], sums)
+    alone = model.prefill_parts(prefills)
+    assert parts[0] == pytest.approx(alone[0] + 1000) and parts[1] == alone[1]
 
 
 def two_core_fleet(devices: bool) -> Router:
@@ -88,4 +83,8 @@ def test_without_devices_named_the_same_burst_is_pushed_in_part() -> None:
 
 def test_a_model_with_no_device_named_prices_as_before() -> None:
     model = CostModel()
-    assert model.prefill_parts([("p0", 2, 100)]) == model.prefill_parts([("p0", 2, 100)], [0.0])
+    alone = model.prefill_parts([("p0", 2, 100)])
+    assert model.prefill_parts([("p0", 2, 100)], [""], {}) == alone
+    assert model.decode_parts(PUSH, [("d0", 2, 1, 100)], [""], {}) == model.decode_parts(
+        PUSH, [("d0", 2, 1, 100)]
+    )

@@ -13,7 +13,7 @@ import pytest
 
 from kvpush.schemas.messages import Timing, TransferMode, WorkerRole
 from kvpush.services.gateway.cost_model import Candidate, CostModel, Estimate, TransferShare
-from kvpush.services.gateway.device_share import device_queues
+from kvpush.services.gateway.device_share import others as device_others
 from kvpush.services.gateway.route_choice import (
     ALTERNATIVES,
     choose,
@@ -49,18 +49,22 @@ def ranked_in_full(
     d_rows = [(d.worker_id, *d.load_running(), whole - hit(d.worker_id)) for d in decodes]
     p_rows = [(p.worker_id, p.load, whole - hit(p.worker_id)) for p in prefills]
     d_keys, p_keys = [decode_order(d) for d in decodes], [prefill_order(p) for p in prefills]
-    p_device, d_device = device_queues(
-        model.view,
-        [(p.worker_id, p.load, p.gpu) for p in prefills],
-        [
-            (d_id, load - run, d.gpu)
-            for (d_id, load, run, _), d in zip(d_rows, decodes, strict=True)
-        ],
-    ) or ([0.0] * len(prefills), [0.0] * len(decodes))
-    p_parts = model.prefill_parts(p_rows, p_device)
+    p_gpus, d_gpus = [p.gpu for p in prefills], [d.gpu for d in decodes]
+    sums = model.device_sums(p_rows, p_gpus, d_rows, d_gpus) if any(p_gpus + d_gpus) else None
+    p_device = [
+        device_others(sums, g, model.wait_ms(w, load))
+        for (w, load, _), g in zip(p_rows, p_gpus, strict=True)
+    ]
+    d_device = [
+        device_others(sums, g, model.wait_ms(w, max(0, load - run)))
+        for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)
+    ]
+    p_parts = model.prefill_parts(p_rows, p_gpus, sums)
     ranked: list[tuple] = []
     for mode in modes:
-        local_parts, terms = model.decode_parts(None if mode is LOCAL else mode, d_rows, d_device)
+        local_parts, terms = model.decode_parts(
+            None if mode is LOCAL else mode, d_rows, d_gpus, sums
+        )
         if mode is LOCAL:
             ranked += [(cost, 0, d_keys[i], (), -1, i) for i, cost in enumerate(local_parts)]
             continue
@@ -257,12 +261,21 @@ def test_the_per_request_parts_are_the_estimates_totals(seed: int) -> None:
     model, decodes, prefills, _, prompt_tokens = random_fleet(rng)
     missing = max(prompt_tokens, 0)
     d_rows = [(d.worker_id, *d.load_running(), missing) for d in decodes]
-    p_device = [rng.choice([0.0, rng.uniform(0, 500)]) for _ in prefills]  # others' queues
-    d_device = [rng.choice([0.0, rng.uniform(0, 500)]) for _ in decodes]
     p_rows = [(p.worker_id, p.load, missing) for p in prefills]
-    p_parts = model.prefill_parts(p_rows, p_device)
+    p_gpus = [rng.choice(["", "g0", "g1"]) for _ in prefills]  # other engines on them queue
+    d_gpus = [rng.choice(["", "g0", "g1"]) for _ in decodes]
+    sums = model.device_sums(p_rows, p_gpus, d_rows, d_gpus)
+    p_device = [
+        device_others(sums, g, model.wait_ms(w, load))
+        for (w, load, _), g in zip(p_rows, p_gpus, strict=True)
+    ]
+    d_device = [
+        device_others(sums, g, model.wait_ms(w, max(0, load - run)))
+        for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)
+    ]
+    p_parts = model.prefill_parts(p_rows, p_gpus, sums)
     for mode in (PUSH, PULL):
-        local_parts, shares = model.decode_parts(mode, d_rows, d_device)
+        local_parts, shares = model.decode_parts(mode, d_rows, d_gpus, sums)
         for i, (d_id, load, running, _) in enumerate(d_rows):
             alone = Candidate(LOCAL, d_id, load, 0, prompt_tokens, decode_running=running)._replace(
                 decode_device_ms=d_device[i]
