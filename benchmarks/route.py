@@ -49,9 +49,15 @@ BEAT_EVERY: Final = 32
 ROUNDS: Final = 5  # the whole sweep, repeated: each figure is the median of its rounds'
 VOCAB: Final = 150_000
 SECTION: Final = "route-decision"
-REPORT_COMMAND: Final = (
-    "kvpush bench route --report docs/benchmarks/routing/decision.json"
-    " --doc docs/benchmarks/routing/decision.md"
+
+
+def report_command(report: str, doc: str) -> str:
+    """The command that regenerates ``doc``'s table from ``report`` (its marker names it)."""
+    return f"kvpush bench route --report {report} --doc {doc}"
+
+
+REPORT_COMMAND: Final = report_command(
+    "docs/benchmarks/routing/decision.json", "docs/benchmarks/routing/decision.md"
 )
 
 
@@ -67,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ROUNDS,
         help=f"times every case is timed, in turn; each figure is the median over them ({ROUNDS})",
     )
+    parser.add_argument(
+        "--no-devices",
+        action="store_true",
+        help="the fake workers name no device (default: P i and D i share device i, as kvpush"
+        " up places a P and a D on each core or GPU: the decision also sums each device's queue)",
+    )
     parser.add_argument("--out", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--report", metavar="FILE", help="run nothing: the table of FILE")
     parser.add_argument("--doc", metavar="DOC", help="with --report: write it into DOC")
@@ -76,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Fleet:
     """The registry, the index and the heartbeats of the 16 fake workers."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, devices: bool = True) -> None:
         from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
         from kvpush.services.gateway.prefix_index import PrefixIndex
         from kvpush.services.gateway.worker_registry import WorkerRegistry
@@ -97,7 +109,8 @@ class Fleet:
                 total_blocks=200_000,
                 sent_at_ms=0,
                 sends_first_token=True,
-                gpu=f"bench/cpu{i}",  # P i and D i share a device, as kvpush up pins them
+                # P i and D i share a device, as kvpush up pins them (devices: else none)
+                gpu=f"bench/cpu{i}" if devices else "",
             )
             for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
             for i in range(WORKERS)
@@ -200,7 +213,9 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, Any]:
+def run(
+    prefixes: int, repeats: int, seed: int, rounds: int = 1, devices: bool = True
+) -> dict[str, Any]:
     if rounds < 1 or repeats < 1:
         raise ValueError(
             f"rounds and repeats must be 1 or more (rounds {rounds}, repeats {repeats})"
@@ -209,7 +224,7 @@ def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, An
     from kvpush.services.gateway.routing import Router, RoutingPolicy
 
     rng = random.Random(seed)
-    fleet = Fleet(rng)
+    fleet = Fleet(rng, devices)
     ids = fleet.ids
     started = time.perf_counter()
     for n in range(prefixes):
@@ -279,7 +294,8 @@ def run(prefixes: int, repeats: int, seed: int, rounds: int = 1) -> dict[str, An
             "index_entries": len(fleet.index),
             "index_build_s": round(built_s, 2),
             "workers": {"prefill": WORKERS, "decode": WORKERS},
-            "devices": "P i and D i on device i",  # heartbeats' gpu: device_share's pass
+            # heartbeats' gpu: device_share's pass
+            "devices": "P i and D i on device i" if devices else "none named",
             "block_size": BLOCK_SIZE,
             "repeats": repeats,
             "rounds": rounds,
@@ -363,9 +379,10 @@ def _rounds_note(rounds: int) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.report:
-        return docgen.publish_report(args, table, SECTION, REPORT_COMMAND)
+        command = report_command(args.report, args.doc or "")
+        return docgen.publish_report(args, table, SECTION, command)
     print(f"kvpush bench route: {args.prefixes} prefixes, {args.repeats} calls a case", flush=True)
-    results = run(args.prefixes, args.repeats, args.seed, args.rounds)
+    results = run(args.prefixes, args.repeats, args.seed, args.rounds, not args.no_devices)
     text = json.dumps(results, indent=2) + "\n"
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -203,11 +203,11 @@ class CostModel:
         worker's ``device(W)`` is its device's sum less its own (``device_share.others``)."""
         memo, view = self._views, self.view  # the memo read inline: asked of every worker
         sums: dict[str, float] = {}
-        for (worker_id, load, _), device in zip(prefills, p_devices, strict=True):
+        for (worker_id, load, _), device in zip(prefills, p_devices, strict=False):
             if device and load > 0:
                 own = load * (memo.get(worker_id) or view(worker_id)).service_ms
                 sums[device] = sums.get(device, 0.0) + own
-        for (worker_id, load, run, _), device in zip(decodes, d_devices, strict=True):
+        for (worker_id, load, run, _), device in zip(decodes, d_devices, strict=False):
             if device and load > run:
                 own = (load - run) * (memo.get(worker_id) or view(worker_id)).service_ms
                 sums[device] = sums.get(device, 0.0) + own

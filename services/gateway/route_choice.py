@@ -196,8 +196,9 @@ def choose(
     estimates: list[Estimate] = []
     for cost, rank, _, _, j, i in ranked[: ALTERNATIVES + 1]:
         decode_id, load, running, missing = d_rows[i]
-        waiting = model.wait_ms(decode_id, load - running) if load > running else 0.0
-        d_device = others(sums, d_gpus[i], waiting)
+        d_device = 0.0  # the other engines' queued compute on D's device
+        if sums and (d_gpu := d_gpus[i]):
+            d_device = others(sums, d_gpu, model.wait_ms(decode_id, max(0, load - running)))
         if j < 0:
             candidate = Candidate(
                 TransferMode.LOCAL,
@@ -222,7 +223,9 @@ def choose(
                 whole - prefill_missing,
                 decode_running=running,
                 shared_gpu=bool(gpu) and gpu == d_gpus[i],
-                prefill_device_ms=others(sums, gpu, model.wait_ms(prefill_id, prefill_load)),
+                prefill_device_ms=others(sums, gpu, model.wait_ms(prefill_id, prefill_load))
+                if sums and gpu
+                else 0.0,
                 decode_device_ms=d_device,
             )
         # the choice with its terms; the runners-up with their totals only
