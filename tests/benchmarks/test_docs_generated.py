@@ -186,14 +186,23 @@ def test_api_md_parity_table_is_what_the_committed_run_generates() -> None:
     assert not docgen.update(doc, parity_report.NAME, body, parity_report.COMMAND, check=True)
 
 
-def test_routing_decision_md_is_what_the_committed_run_generates() -> None:
+@pytest.mark.parametrize("name", ["decision", "decision-alone"])
+def test_routing_decision_md_is_what_the_committed_run_generates(name: str) -> None:
+    """decision.md (the fleet names devices) and decision-alone.md (``--no-devices``)."""
     from kvpush.benchmarks import route
 
-    results = json.loads((DOCS / "benchmarks" / "routing" / "decision.json").read_text())
+    folder = DOCS / "benchmarks" / "routing"
+    results = json.loads((folder / f"{name}.json").read_text())
     assert results["meta"]["prefixes"] >= 10_000 and len(results["cases"]) == 12
+    assert results["meta"]["devices"] == (
+        "none named" if name.endswith("alone") else "P i and D i on device i"
+    )
     body = route.table(results)
-    doc = DOCS / "benchmarks" / "routing" / "decision.md"
-    assert not docgen.update(doc, route.SECTION, body, route.REPORT_COMMAND, check=True)
+    doc = folder / f"{name}.md"
+    command = route.report_command(
+        f"docs/benchmarks/routing/{name}.json", f"docs/benchmarks/routing/{name}.md"
+    )
+    assert not docgen.update(doc, route.SECTION, body, command, check=True)
 
 
 def test_routing_results_md_is_what_the_committed_run_generates() -> None:
