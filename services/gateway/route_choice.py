@@ -15,11 +15,10 @@ LOCAL/transfer tie to LOCAL (less work). Each worker's heartbeat, load, prefix h
 ``CostModel.view`` are read once per decision.
 
 Only a candidate that can still be among the ``ALTERNATIVES`` + 1 cheapest is ranked: LOCAL on
-the D no dearer than the cheapest few LOCAL, and of the other few P's pairs those no dearer
-than the cheapest few ranked before them (a D on no device has its pairs priced only up to the
-first dearer one: its total only grows with the P part, rounding included). Each one left out
-is dearer than ``ALTERNATIVES`` + 1 kept: the choice and the runners-up (the explanation) are
-those of ranking every candidate named above, to the bit (tests/unit/test_route_choice.py).
+the D no dearer than the cheapest few LOCAL, and of the other few P's pairs with a D those up to
+the first whose total is dearer than the cheapest few ranked before them (a total only grows with
+the P part). The choice and the runners-up are those of ranking every candidate named above, to
+the bit (tests/unit/test_route_choice.py).
 
 ``RouteExplanation`` is what the trace and metrics show: the reason the candidates were what
 they were (``RouteReason``), the chosen estimate, the runners-up, the prefix tokens matched on
