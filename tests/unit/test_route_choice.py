@@ -29,6 +29,27 @@ MS = 1_000_000  # ns
 MODES = [(LOCAL, PUSH), (LOCAL, PULL), (PUSH,), (PULL,), (LOCAL,), (PUSH, LOCAL)]
 
 
+def device_shares(
+    model: CostModel,
+    sums: Mapping[str, float] | None,
+    p_rows: list[tuple[str, int, int]],
+    p_gpus: list[str],
+    d_rows: list[tuple[str, int, int, int]],
+    d_gpus: list[str],
+) -> tuple[list[float], list[float]]:
+    """Each P's and each D's share of its device's queue, the other engines' (as ``choose``
+    gives its candidates)."""
+    p_device = [
+        device_others(sums, g, model.wait_ms(w, load))
+        for (w, load, _), g in zip(p_rows, p_gpus, strict=True)
+    ]
+    d_device = [
+        device_others(sums, g, model.wait_ms(w, max(0, load - run)))
+        for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)
+    ]
+    return p_device, d_device
+
+
 def ranked_in_full(
     model: CostModel,
     prompt_tokens: int,
@@ -51,14 +72,7 @@ def ranked_in_full(
     d_keys, p_keys = [decode_order(d) for d in decodes], [prefill_order(p) for p in prefills]
     p_gpus, d_gpus = [p.gpu for p in prefills], [d.gpu for d in decodes]
     sums = model.device_sums(p_rows, p_gpus, d_rows, d_gpus) if any(p_gpus + d_gpus) else None
-    p_device = [
-        device_others(sums, g, model.wait_ms(w, load))
-        for (w, load, _), g in zip(p_rows, p_gpus, strict=True)
-    ]
-    d_device = [
-        device_others(sums, g, model.wait_ms(w, max(0, load - run)))
-        for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)
-    ]
+    p_device, d_device = device_shares(model, sums, p_rows, p_gpus, d_rows, d_gpus)
     p_parts = model.prefill_parts(p_rows, p_gpus, sums)
     ranked: list[tuple] = []
     for mode in modes:
@@ -265,14 +279,7 @@ def test_the_per_request_parts_are_the_estimates_totals(seed: int) -> None:
     p_gpus = [rng.choice(["", "g0", "g1"]) for _ in prefills]  # other engines on them queue
     d_gpus = [rng.choice(["", "g0", "g1"]) for _ in decodes]
     sums = model.device_sums(p_rows, p_gpus, d_rows, d_gpus)
-    p_device = [
-        device_others(sums, g, model.wait_ms(w, load))
-        for (w, load, _), g in zip(p_rows, p_gpus, strict=True)
-    ]
-    d_device = [
-        device_others(sums, g, model.wait_ms(w, max(0, load - run)))
-        for (w, load, run, _), g in zip(d_rows, d_gpus, strict=True)
-    ]
+    p_device, d_device = device_shares(model, sums, p_rows, p_gpus, d_rows, d_gpus)
     p_parts = model.prefill_parts(p_rows, p_gpus, sums)
     for mode in (PUSH, PULL):
         local_parts, shares = model.decode_parts(mode, d_rows, d_gpus, sums)
