@@ -258,9 +258,8 @@ class CostModel:
         )
         parts: list[float] = []
         shares: list[ShareTerms] = []
-        alone = sums is None or devices is None
         for (worker_id, load, run, tokens), device in zip(
-            decodes, repeat("") if alone else devices, strict=False
+            decodes, repeat("") if devices is None else devices, strict=False
         ):
             ms_per_token, service_ms, step_ms, join_ms = memo.get(worker_id) or view(worker_id)
             # D's waiting prefills: max(0, load - run) of them, without a call per D

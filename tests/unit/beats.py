@@ -1,8 +1,13 @@
-"""Heartbeats and a settable clock for the unit tests of membership, routing and migration."""
+"""Heartbeats and a settable clock for the unit tests of membership, routing and migration,
+and a reference for the router's device shares."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpush.schemas.messages import WorkerHeartbeat, WorkerRole
+from kvpush.services.gateway.cost_model import CostModel
+from kvpush.services.gateway.worker_registry import WorkerState
 
 
 class Clock:
@@ -28,3 +33,22 @@ def beat(role: WorkerRole, worker: str, **fields: object) -> WorkerHeartbeat:
         **fields,
     }
     return WorkerHeartbeat(**values)  # type: ignore[arg-type]
+
+
+def others_on_device(
+    model: CostModel,
+    prefills: Sequence[WorkerState],
+    decodes: Sequence[WorkerState],
+    state: WorkerState,
+) -> float:
+    """The queued compute (ms) of the other engines on ``state``'s device, summed one by one (a
+    P's load, a D's waiting prefills, each x its service time): what ``device_share`` gives."""
+
+    def queued(worker: WorkerState) -> float:
+        waiting = worker.load if worker in prefills else max(0, worker.load - worker.running)
+        return waiting * model.view(worker.worker_id).service_ms
+
+    if not state.gpu:
+        return 0.0
+    everyone = [*prefills, *decodes]
+    return sum(queued(w) for w in everyone if w is not state and w.gpu == state.gpu)

@@ -13,7 +13,7 @@ from kvpush.services.gateway.cost_model import Candidate, CostModel
 from kvpush.services.gateway.route_choice import RouteReason
 from kvpush.services.gateway.routing import Router, RoutingPolicy
 from kvpush.services.gateway.worker_registry import WorkerRegistry, WorkerState
-from tests.unit.beats import Clock, beat
+from tests.unit.beats import Clock, beat, others_on_device
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE
 LOCAL, PUSH, PULL = TransferMode.LOCAL, TransferMode.PUSH, TransferMode.PULL
@@ -570,14 +570,8 @@ def test_the_cheapest_pair_is_found_when_some_workers_share_a_gpu(
     def shared(p: str, d: str) -> bool:
         return bool(gpu_of[p]) and gpu_of[p] == gpu_of[d]
 
-    def queued(state: WorkerState) -> float:
-        waiting = state.load if state in prefills else max(0, state.load - state.running)
-        return waiting * model.view(state.worker_id).service_ms
-
     def device(state: WorkerState) -> float:  # the others' queued compute on its device
-        gpu = gpu_of[state.worker_id]
-        others = [w for w in (*decodes, *prefills) if w is not state and gpu_of[w.worker_id]]
-        return sum(queued(w) for w in others if gpu and gpu_of[w.worker_id] == gpu)
+        return others_on_device(model, prefills, decodes, state)
 
     best = min(
         model.estimate(

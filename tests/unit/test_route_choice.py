@@ -21,7 +21,7 @@ from kvpush.services.gateway.route_choice import (
     prefill_order,
 )
 from kvpush.services.gateway.worker_registry import WorkerRegistry, WorkerState
-from tests.unit.beats import Clock, beat
+from tests.unit.beats import Clock, beat, others_on_device
 
 P, D = WorkerRole.PREFILL, WorkerRole.DECODE
 LOCAL, PUSH, PULL = TransferMode.LOCAL, TransferMode.PUSH, TransferMode.PULL
@@ -219,15 +219,8 @@ def test_the_choice_is_the_cheapest_of_every_candidate(seed: int) -> None:
     def hit(state: WorkerState) -> int:
         return max(0, min(hits.get(state.worker_id, 0), most))
 
-    def queued(state: WorkerState) -> float:
-        waiting = state.load if state in prefills else max(0, state.load - state.running)
-        return waiting * model.view(state.worker_id).service_ms
-
     def device(state: WorkerState) -> float:  # the others' queued compute on its device
-        everyone = [*prefills, *decodes]
-        return sum(
-            queued(w) for w in everyone if w is not state and state.gpu and w.gpu == state.gpu
-        )
+        return others_on_device(model, prefills, decodes, state)
 
     costs = [
         model.estimate(
