@@ -226,6 +226,7 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
         "h100-dshare-2",
         "cpu-de667c3",
         "h200-dshare",
+        "h100-c4-trace",
         "load-h100",
         "load-h100-share",
         "load-h100-turns",

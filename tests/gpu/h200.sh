@@ -22,7 +22,8 @@
 # chaos soak, 2 P + 1 D of the 8B shape on the GPU (PREFILL, DECODE), MINUTES of load and faults, default 8, cut to
 # fit the step's 585 s; FAULTS=..., LIMIT, KV_GIB), routing (issue 32: kvpush-routed,
 # kvpush-least-loaded (2P1D on the GPU), vllm-serve and vllm-push on the reuse50/reuse90
-# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...; D_SHARE), c=1
+# prefix-repetition tables (TABLES=... for others: chat:8192; SYSTEMS=...; D_SHARE; REPEATS;
+# MIN_REQUESTS, 24; CONCURRENCY, 1,4; TRACE=1: kvpush's spans under traces/), c=1
 # and 4, into routing, within LIMIT seconds (default 585); docs/benchmarks/routing/), routed-load (issue 32's
 # load target: kvpush-routed and vllm-serve, random 2048, c=1 and 0.25x-1.0x; P_SHARE,
 # D_SHARE; REPEATS). Every step first unpacks the bundle once (/tmp/site) and makes kvpush
@@ -167,9 +168,10 @@ routing)
     # docs/benchmarks/routing/h100-reuse-1.md)
     limit=${LIMIT:-585}
     timeout "$limit" setsid python3 -m kvpush.services.cli bench serve --device cuda \
-        --model llama-8b --client vllm --repeats 1 --output-len 64 --qps "" \
+        --model llama-8b --client vllm --repeats "${REPEATS:-1}" --output-len 64 --qps "" \
         --tables "${TABLES:-reuse50:8192,reuse90:8192}" \
-        --concurrency 1,4 --min-requests 24 --gpu-memory-utilization 0.25 \
+        --concurrency "${CONCURRENCY:-1,4}" --min-requests "${MIN_REQUESTS:-24}" ${TRACE:+--trace} \
+        --gpu-memory-utilization 0.25 \
         ${D_SHARE:+--decode-gpu-memory-utilization "$D_SHARE"} --time-budget $((limit - 45)) \
         --systems "${SYSTEMS:-kvpush-routed,kvpush-least-loaded,vllm-serve,vllm-push}" \
         --out-dir "$out/routing" > "$out/routing.log" 2>&1
