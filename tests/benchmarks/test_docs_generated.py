@@ -227,6 +227,7 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
         "cpu-de667c3",
         "h200-dshare",
         "h100-c4-trace",
+        "h100-c4",
         "load-h100",
         "load-h100-share",
         "load-h100-turns",
