@@ -50,7 +50,15 @@ def send(nats_url: str, message: Any) -> None:
     """Publish one message on D's kv.done subject, as the prefill worker does."""
 
     async def publish() -> None:
-        bus = await Bus.connect(BusConfig(url=nats_url, name="test-prefill-service"))
+        # a 2-core box whose engine-core processes spin while D waits for KV (pull) kept one
+        # clean-clone run's connect past the default 15 s: this one waits as long as it takes
+        config = BusConfig(
+            url=nats_url,
+            name="test-prefill-service",
+            connect_timeout_s=60.0,
+            initial_connect_timeout_s=300.0,
+        )
+        bus = await Bus.connect(config)
         try:
             await bus.publish(subjects.kv_done(message.decode_id), message)
             await bus.flush()
