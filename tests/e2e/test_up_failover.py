@@ -93,15 +93,27 @@ async def test_a_decode_worker_killed_mid_answer(
     texts = prompts(rng)
     unbroken = await references(stack, texts)
     before = await metric(stack.url, "kvpush_gateway_migrations_total", lost="decode")
+    routed_to: list[str] = []  # the decode worker of each request the gateway publishes
+
+    async def on_request(msg: Any) -> None:
+        routed_to.append(msg.subject.rsplit(".", 1)[-1])
+
+    sub = await observer.bus.client.subscribe(f"{subjects.ROOT}.req.*.*", cb=on_request)
+    await observer.bus.flush()
     started = [asyncio.Event() for _ in texts]
     pairs = zip(texts, started, strict=True)
     answers = [asyncio.create_task(stream(stack, t, e)) for t, e in pairs]
     await asyncio.gather(*(e.wait() for e in started))  # every answer streams
-    epoch = observer.last_beat("decode-0").epoch
-    os.kill(stack.worker_pid("decode-0"), signal.SIGKILL)
+    await observer.wait_for(lambda: len(routed_to) >= len(texts), 30, "every request's event")
+    await sub.unsubscribe()
+    # the router places each prompt where its prefix is cached (the references' worker): kill
+    # the decode worker that holds most of these answers, whichever one that is
+    victim = max(sorted(set(routed_to)), key=routed_to.count)
+    epoch = observer.last_beat(victim).epoch
+    os.kill(stack.worker_pid(victim), signal.SIGKILL)
     assert await asyncio.gather(*answers) == unbroken  # no error, no token lost or repeated
     assert await metric(stack.url, "kvpush_gateway_migrations_total", lost="decode") > before
-    await idle_again(stack, observer, "decode-0", epoch)
+    await idle_again(stack, observer, victim, epoch)
 
 
 async def test_a_prefill_worker_killed_mid_push(
