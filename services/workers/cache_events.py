@@ -1,16 +1,16 @@
 """What the engine's prefix cache holds: vLLM's own KV cache events, read and mirrored.
 
 vLLM's scheduler publishes every block its prefix cache stores or drops (``BlockStored``,
-``BlockRemoved``, ``AllBlocksCleared``) on a ZMQ PUB socket (``engine_config.kv_events_config``:
-an ipc:// path private to this worker, ``ipc_endpoint``; the engine binds it, in this process
-or in its engine-core process, one publisher whatever the TP). ``CacheEventReader`` reads it and
-keeps ``CacheMirror``: vLLM's block hash (salted per engine) -> our chained prefix hash
-(``schemas/prefix.py``, the one the gateway computes), bounded by the pool's block count (past
-it the least recently stored or reused entry is dropped and reported removed; of one event's
-blocks the first is the most recent, so a chain loses its tail before its head). Changes collect
-in ``PendingChanges`` (per hash its net change since the last publish, a ``cleared`` flag,
-bounded: past the mirror's capacity it becomes a snapshot), which ``cache_publisher
-.CachePublisher`` takes on the worker's loop and publishes as ``CacheEvents``.
+``BlockRemoved``, ``AllBlocksCleared``) on a ZMQ PUB socket (``engine_config.kv_events_config``: an
+ipc:// name private to this worker, ``ipc_endpoint``: on Linux an abstract socket, so a killed
+worker leaves no file; the engine binds it, in this process or in its engine-core process, one
+publisher whatever the TP). ``CacheEventReader`` reads it and keeps ``CacheMirror``: vLLM's block
+hash (salted per engine) -> our chained prefix hash (``schemas/prefix.py``, the one the gateway
+computes), bounded by the pool's block count (past it the least recently stored or reused entry is
+dropped and reported removed; of one event's blocks the first is the most recent, so a chain loses
+its tail before its head). Changes collect in ``PendingChanges`` (per hash its net change since the
+last publish, a ``cleared`` flag, bounded: past the mirror's capacity it becomes a snapshot), which
+``cache_publisher.CachePublisher`` takes on the worker's loop and publishes as ``CacheEvents``.
 
 Not indexed, and counted in ``CacheMirror.skipped`` by why: blocks whose hash has extra keys
 (LoRA, multimodal inputs, a cache_salt, prompt embeddings), another medium than the engine's
@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -92,9 +93,16 @@ class EventBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-def ipc_endpoint(name: str, directory: str) -> str:
-    """``ipc://directory/name``, or in /tmp when that path would pass the socket path limit
-    (a long TMPDIR): ZMQ refuses such a path (``File name too long``)."""
+def ipc_endpoint(name: str, directory: str, abstract: bool = sys.platform == "linux") -> str:
+    """``ipc://@name`` where the kernel has abstract unix sockets (Linux): no file, so a worker
+    killed with ``kill -9`` leaves nothing in ``directory`` (a bound socket file outlives its
+    process; only a clean ``CacheEventReader.stop`` removes one). Elsewhere ``ipc://directory/
+    name``, or in /tmp when that path would pass the socket path limit (a long TMPDIR): ZMQ
+    refuses such a path (``File name too long``)."""
+    if abstract:
+        if len(name.encode()) + 1 > IPC_PATH_MAX:  # the name, after sun_path's leading NUL
+            raise ValueError(f"an abstract socket name has at most {IPC_PATH_MAX - 1} bytes")
+        return f"ipc://@{name}"
     path = os.path.join(directory, name)
     if len(path.encode()) > IPC_PATH_MAX:
         path = os.path.join("/tmp", name)
@@ -274,8 +282,8 @@ class CacheEventReader:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
-        if self.endpoint.startswith("ipc://"):  # the engine's socket file, left behind
-            with contextlib.suppress(OSError):
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            with contextlib.suppress(OSError):  # the engine's socket file, left behind
                 os.unlink(self.endpoint.removeprefix("ipc://"))
 
     def take(self) -> PendingChanges:

@@ -111,7 +111,9 @@ class WorkerConfig:
     @property
     def kv_events_endpoint(self) -> str:
         """The ZMQ socket the engine publishes its KV cache events on, private to this worker
-        process ("" with ``--kv-events off``): the same on every call in one process."""
+        process ("" with ``--kv-events off``): the same on every call in one process. On Linux
+        an abstract socket (``cache_events.ipc_endpoint``): a worker killed with ``kill -9``
+        leaves no socket file in the temp directory."""
         if self.kv_events != "on":
             return ""
         name = hashlib.blake2b(self.worker_id.encode(), digest_size=6).hexdigest()

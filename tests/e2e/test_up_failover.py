@@ -4,8 +4,8 @@ Requests stream while a decode worker is killed mid-answer, then while a prefill
 killed mid-push. Every request answers 200 with the text of an unbroken greedy run: those on the
 dead decode worker moved to the other one (the gateway's migration, from the prompt plus the
 tokens already sent), those whose prefill worker died were computed by their decode worker. ``up``
-starts each killed worker again (a new epoch), and every worker, the restarted ones too, ends
-with all of its blocks free.
+starts each killed worker again (a new epoch), every worker, the restarted ones too, ends with
+all of its blocks free, and a killed worker leaves no socket file behind.
 
 The workers run with injected slowness (``KVPUSH_FAULT_STEP_DELAY_MS`` per engine step,
 ``KVPUSH_FAULT_LAYER_DELAY_MS`` per layer of a prefill) so that the kills land while answers
@@ -19,7 +19,9 @@ import asyncio
 import os
 import random
 import signal
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,6 +85,12 @@ async def idle_again(stack: UpStack, observer: Observer, restarted: str, epoch: 
         )
 
 
+def left_behind(pid: int) -> list[Path]:
+    """Files the killed worker ``pid`` left in the temp directory: its engine's KV events
+    socket is an abstract one (``cache_events.ipc_endpoint``), so none."""
+    return list(Path(tempfile.gettempdir()).glob(f"kvpush-kvev-{pid}-*"))
+
+
 async def references(stack: UpStack, texts: list[str]) -> list[str]:
     return list(await asyncio.gather(*(stream(stack, t) for t in texts)))
 
@@ -109,11 +117,12 @@ async def test_a_decode_worker_killed_mid_answer(
     # the router places each prompt where its prefix is cached (the references' worker): kill
     # the decode worker that holds most of these answers, whichever one that is
     victim = max(sorted(set(routed_to)), key=routed_to.count)
-    epoch = observer.last_beat(victim).epoch
-    os.kill(stack.worker_pid(victim), signal.SIGKILL)
+    epoch, pid = observer.last_beat(victim).epoch, stack.worker_pid(victim)
+    os.kill(pid, signal.SIGKILL)
     assert await asyncio.gather(*answers) == unbroken  # no error, no token lost or repeated
     assert await metric(stack.url, "kvpush_gateway_migrations_total", lost="decode") > before
     await idle_again(stack, observer, victim, epoch)
+    assert not left_behind(pid)
 
 
 async def test_a_prefill_worker_killed_mid_push(
@@ -131,7 +140,8 @@ async def test_a_prefill_worker_killed_mid_push(
     answers = [asyncio.create_task(stream(stack, t)) for t in texts]
     await pushing.wait()
     await sub.unsubscribe()
-    epoch = observer.last_beat("prefill-0").epoch
-    os.kill(stack.worker_pid("prefill-0"), signal.SIGKILL)
+    epoch, pid = observer.last_beat("prefill-0").epoch, stack.worker_pid("prefill-0")
+    os.kill(pid, signal.SIGKILL)
     assert await asyncio.gather(*answers) == unbroken
     await idle_again(stack, observer, "prefill-0", epoch)
+    assert not left_behind(pid)
