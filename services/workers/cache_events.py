@@ -2,9 +2,10 @@
 
 vLLM's scheduler publishes every block its prefix cache stores or drops (``BlockStored``,
 ``BlockRemoved``, ``AllBlocksCleared``) on a ZMQ PUB socket (``engine_config.kv_events_config``: an
-ipc:// name private to this worker, ``ipc_endpoint``: on Linux an abstract socket, so a killed
-worker leaves no file; the engine binds it, in this process or in its engine-core process, one
-publisher whatever the TP). ``CacheEventReader`` reads it and keeps ``CacheMirror``: vLLM's block
+ipc:// file socket private to this worker, ``events_socket.events_endpoint``; the engine binds it,
+in this process or in its engine-core process, one publisher whatever the TP; a clean stop removes
+the file, and the next start of a worker killed with ``kill -9`` removes the one it left:
+``remove_stale_sockets``). ``CacheEventReader`` reads it and keeps ``CacheMirror``: vLLM's block
 hash (salted per engine) -> our chained prefix hash (``schemas/prefix.py``, the one the gateway
 computes), bounded by the pool's block count (past it the least recently stored or reused entry is
 dropped and reported removed; of one event's blocks the first is the most recent, so a chain loses
@@ -38,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -53,7 +53,6 @@ from kvpush.schemas.prefix import ROOT, block_hashes
 log = logging.getLogger(__name__)
 
 POOL_MEDIA = frozenset({None, "GPU"})  # the engine's own pool, on any device ("CPU": offload)
-IPC_PATH_MAX = 107  # bytes of a unix socket path (sun_path less its NUL)
 POLL_MS = 100  # the reader thread looks at its stop flag this often
 EngineHash = bytes | int  # vLLM's ExternalBlockHash
 
@@ -91,22 +90,6 @@ class EventBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
-
-
-def ipc_endpoint(name: str, directory: str, abstract: bool = sys.platform == "linux") -> str:
-    """``ipc://@name`` where the kernel has abstract unix sockets (Linux): no file, so a worker
-    killed with ``kill -9`` leaves nothing in ``directory`` (a bound socket file outlives its
-    process; only a clean ``CacheEventReader.stop`` removes one). Elsewhere ``ipc://directory/
-    name``, or in /tmp when that path would pass the socket path limit (a long TMPDIR): ZMQ
-    refuses such a path (``File name too long``)."""
-    if abstract:
-        if len(name.encode()) + 1 > IPC_PATH_MAX:  # the name, after sun_path's leading NUL
-            raise ValueError(f"an abstract socket name has at most {IPC_PATH_MAX - 1} bytes")
-        return f"ipc://@{name}"
-    path = os.path.join(directory, name)
-    if len(path.encode()) > IPC_PATH_MAX:
-        path = os.path.join("/tmp", name)
-    return f"ipc://{path}"
 
 
 @dataclass
@@ -282,8 +265,8 @@ class CacheEventReader:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
-        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
-            with contextlib.suppress(OSError):  # the engine's socket file, left behind
+        if self.endpoint.startswith("ipc://"):  # the engine's socket file, left behind
+            with contextlib.suppress(OSError):
                 os.unlink(self.endpoint.removeprefix("ipc://"))
 
     def take(self) -> PendingChanges:

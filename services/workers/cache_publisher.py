@@ -29,6 +29,7 @@ from kvpush.connector import Bus
 from kvpush.schemas import subjects
 from kvpush.schemas.messages import MAX_CACHE_HASHES, CacheEvents, CacheSync, WorkerRole
 from kvpush.services.workers.cache_events import CacheEventReader
+from kvpush.services.workers.events_socket import remove_stale_sockets
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ class CachePublisher:
         epoch: Callable[[], int],
     ) -> CachePublisher:
         """Read the engine's KV events at ``endpoint`` into a mirror of at most
-        ``total_blocks`` (the pool's) and publish them (``stop`` ends both)."""
+        ``total_blocks`` (the pool's) and publish them (``stop`` ends both). First the socket
+        files killed processes of this worker left beside ``endpoint`` go."""
+        for stale in remove_stale_sockets(endpoint):
+            log.info("removed %s: %s's KV events socket, its process gone", stale, worker_id)
         reader = CacheEventReader(endpoint, total_blocks)
         publisher = cls(bus, reader, role, worker_id, epoch)
         reader.on_ready = publisher.wake  # a no-op until the publisher starts

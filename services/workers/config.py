@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import importlib.metadata
 import os
 import re
@@ -35,9 +34,9 @@ from kvpush.schemas import subjects
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services import models, settings
 from kvpush.services.settings import ConfigError
-from kvpush.services.workers.cache_events import ipc_endpoint
 from kvpush.services.workers.engine import EngineConfig
 from kvpush.services.workers.engine_args import parse_engine_args
+from kvpush.services.workers.events_socket import events_endpoint
 from kvpush.services.workers.flags import SETTINGS
 
 
@@ -111,13 +110,10 @@ class WorkerConfig:
     @property
     def kv_events_endpoint(self) -> str:
         """The ZMQ socket the engine publishes its KV cache events on, private to this worker
-        process ("" with ``--kv-events off``): the same on every call in one process. On Linux
-        an abstract socket (``cache_events.ipc_endpoint``): a worker killed with ``kill -9``
-        leaves no socket file in the temp directory."""
+        process ("" with ``--kv-events off``): the same on every call in one process."""
         if self.kv_events != "on":
             return ""
-        name = hashlib.blake2b(self.worker_id.encode(), digest_size=6).hexdigest()
-        return ipc_endpoint(f"kvpush-kvev-{os.getpid()}-{name}", tempfile.gettempdir())
+        return events_endpoint(self.worker_id, os.getpid(), tempfile.gettempdir())
 
     def engine_config(self) -> EngineConfig:
         extra: dict[str, Any] = {

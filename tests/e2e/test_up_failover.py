@@ -5,7 +5,8 @@ killed mid-push. Every request answers 200 with the text of an unbroken greedy r
 dead decode worker moved to the other one (the gateway's migration, from the prompt plus the
 tokens already sent), those whose prefill worker died were computed by their decode worker. ``up``
 starts each killed worker again (a new epoch), every worker, the restarted ones too, ends with
-all of its blocks free, and a killed worker leaves no socket file behind.
+all of its blocks free, and the socket file a killed worker's engine left is gone once it runs
+again.
 
 The workers run with injected slowness (``KVPUSH_FAULT_STEP_DELAY_MS`` per engine step,
 ``KVPUSH_FAULT_LAYER_DELAY_MS`` per layer of a prefill) so that the kills land while answers
@@ -86,8 +87,9 @@ async def idle_again(stack: UpStack, observer: Observer, restarted: str, epoch: 
 
 
 def left_behind(pid: int) -> list[Path]:
-    """Files the killed worker ``pid`` left in the temp directory: its engine's KV events
-    socket is an abstract one (``cache_events.ipc_endpoint``), so none."""
+    """Files the killed worker ``pid`` left in the temp directory once ``up`` restarted it: its
+    engine's KV events socket, which the restarted worker removed
+    (``events_socket.remove_stale_sockets``), so none."""
     return list(Path(tempfile.gettempdir()).glob(f"kvpush-kvev-{pid}-*"))
 
 

@@ -6,10 +6,7 @@ published as CacheEvents."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +18,9 @@ from kvpush.schemas import decode, encode, subjects
 from kvpush.schemas.messages import CacheEvents, CacheSync, WorkerRole
 from kvpush.schemas.prefix import block_hashes
 from kvpush.services.workers import cache_events
-from kvpush.services.workers.cache_events import (
-    IPC_PATH_MAX,
-    CacheEventReader,
-    PendingChanges,
-    ipc_endpoint,
-)
+from kvpush.services.workers.cache_events import CacheEventReader, PendingChanges
 from kvpush.services.workers.cache_publisher import CachePublisher, chunks
+from kvpush.services.workers.events_socket import IPC_PATH_MAX, ipc_endpoint
 
 BS = 4
 PACK = msgspec.msgpack.Encoder()
@@ -339,37 +332,3 @@ def test_a_start_that_fails_leaves_nothing_running(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         asyncio.run(scenario(bus, ipc_endpoint("kvpush-test-events", str(tmp_path))))
     assert bus.subscribed == 1 and not readers_alive()
-
-
-def test_an_ipc_endpoint_past_the_socket_path_limit_falls_back_to_tmp() -> None:
-    assert ipc_endpoint("kvev-1", "/var/tmp", abstract=False) == "ipc:///var/tmp/kvev-1"
-    deep = "/" + "d" * (IPC_PATH_MAX - len("/kvev-1"))  # one byte too long
-    assert ipc_endpoint("kvev-1", deep[:-1], abstract=False) == f"ipc://{deep[:-1]}/kvev-1"
-    assert ipc_endpoint("kvev-1", deep, abstract=False) == "ipc:///tmp/kvev-1"
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets are Linux's")
-def test_the_events_socket_is_abstract_on_linux_a_killed_engine_leaves_no_file(
-    tmp_path: Path,
-) -> None:
-    endpoint = ipc_endpoint(f"kvpush-test-kvev-{os.getpid()}", str(tmp_path))
-    assert endpoint == f"ipc://@kvpush-test-kvev-{os.getpid()}"
-    context = zmq.Context.instance()
-    publisher = context.socket(zmq.PUB)  # as vLLM's ZmqEventPublisher binds it
-    publisher.bind(endpoint)
-    reader = CacheEventReader(endpoint, 100)
-    reader.start()
-    try:
-        payload, held = batch(stored([11], [1, 2, 3, 4])), ([], 0)
-        for seq in range(1200):  # a SUB joins after a while: resend until in (at most a minute)
-            publisher.send_multipart([b"", seq.to_bytes(8, "big"), payload])  # no gap
-            time.sleep(0.05)
-            if (held := reader.snapshot())[0]:
-                break
-        assert held == (block_hashes([1, 2, 3, 4], BS), BS)
-    finally:
-        reader.stop()
-        publisher.close(linger=0)  # (a kill -9 closes nothing: a socket file would stay)
-    assert list(tmp_path.iterdir()) == [] and not Path("/tmp", endpoint[7:]).exists()
-    with pytest.raises(ValueError, match="at most"):
-        ipc_endpoint("k" * IPC_PATH_MAX, str(tmp_path))
