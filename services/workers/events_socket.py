@@ -6,8 +6,9 @@ vLLM's engine binds its KV events PUB socket at ``events_endpoint``: an ipc:// f
 umask 022 only its owner may connect; an abstract one, which leaves no file, would let any process
 in the host's network namespace read the prompts' token ids the events carry).
 ``CacheEventReader.stop`` removes the file on a clean stop; a worker killed with ``kill -9``
-cannot, so the next start of a worker of the same id (``kvpush up`` restarts it so) removes what
-its dead predecessors left (``remove_stale_sockets``, called by
+cannot, so the next start of a worker of the same ``--worker-id`` (``kvpush up`` and the
+Kubernetes manifests restart workers so; a default id holds the pid, so its leftovers stay) removes
+what its dead predecessors left (``remove_stale_sockets``, called by
 ``cache_publisher.CachePublisher.open``).
 
 Threading model: none (functions over the file system, called on the worker's loop at start).
@@ -19,11 +20,13 @@ import contextlib
 import glob
 import hashlib
 import os
+import re
 import stat
 from typing import Final
 
 IPC_PATH_MAX: Final = 107  # bytes of a unix socket path (sun_path less its NUL)
 SOCKET_PREFIX: Final = "kvpush-kvev-"  # events_endpoint's names: <prefix><pid>-<worker's hash>
+_PID: Final = re.compile(r"[1-9][0-9]{0,9}")  # a pid as events_endpoint writes it (ASCII only)
 
 
 def ipc_endpoint(name: str, directory: str) -> str:
@@ -58,8 +61,8 @@ def remove_stale_sockets(endpoint: str) -> list[str]:
     removed: list[str] = []
     for stale in glob.glob(os.path.join(glob.escape(directory), f"{SOCKET_PREFIX}*-{tag}")):
         pid = os.path.basename(stale).removeprefix(SOCKET_PREFIX).removesuffix(f"-{tag}")
-        if not pid.isdigit() or pid == own_pid or _alive(int(pid)):
-            continue
+        if not _PID.fullmatch(pid) or pid == own_pid or _alive(int(pid)):
+            continue  # no name of ours (anyone may make files here), or a live process's
         with contextlib.suppress(OSError):  # gone already, or not ours to remove
             info = os.lstat(stale)
             if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid():
@@ -69,10 +72,11 @@ def remove_stale_sockets(endpoint: str) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` may be a live process (when in doubt: yes, and the file stays)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except (PermissionError, OverflowError, ValueError):  # another user's, or no pid at all
         return True
     return True

@@ -29,6 +29,7 @@ import pytest
 
 from kvpush.benchmarks.soak import WORDS  # made-up words of the tiny model
 from kvpush.schemas import subjects
+from kvpush.services.workers.events_socket import events_endpoint
 from tests.e2e.conftest import UpStack, run_up
 from tests.e2e.test_openai_e2e import greedy
 from tests.integration.http_client import metric
@@ -86,11 +87,11 @@ async def idle_again(stack: UpStack, observer: Observer, restarted: str, epoch: 
         )
 
 
-def left_behind(pid: int) -> list[Path]:
-    """Files the killed worker ``pid`` left in the temp directory once ``up`` restarted it: its
-    engine's KV events socket, which the restarted worker removed
-    (``events_socket.remove_stale_sockets``), so none."""
-    return list(Path(tempfile.gettempdir()).glob(f"kvpush-kvev-{pid}-*"))
+def events_socket_of(worker_id: str, pid: int) -> Path:
+    """The KV events socket file of worker process ``pid``: a ``kill -9`` leaves it; the
+    restarted worker removes it (``events_socket.remove_stale_sockets``)."""
+    endpoint = events_endpoint(worker_id, pid, tempfile.gettempdir())
+    return Path(endpoint.removeprefix("ipc://"))
 
 
 async def references(stack: UpStack, texts: list[str]) -> list[str]:
@@ -121,10 +122,11 @@ async def test_a_decode_worker_killed_mid_answer(
     victim = max(sorted(set(routed_to)), key=routed_to.count)
     epoch, pid = observer.last_beat(victim).epoch, stack.worker_pid(victim)
     os.kill(pid, signal.SIGKILL)
+    assert events_socket_of(victim, pid).exists()  # left behind by the kill
     assert await asyncio.gather(*answers) == unbroken  # no error, no token lost or repeated
     assert await metric(stack.url, "kvpush_gateway_migrations_total", lost="decode") > before
     await idle_again(stack, observer, victim, epoch)
-    assert not left_behind(pid)
+    assert not events_socket_of(victim, pid).exists()
 
 
 async def test_a_prefill_worker_killed_mid_push(
@@ -144,6 +146,7 @@ async def test_a_prefill_worker_killed_mid_push(
     await sub.unsubscribe()
     epoch, pid = observer.last_beat("prefill-0").epoch, stack.worker_pid("prefill-0")
     os.kill(pid, signal.SIGKILL)
+    assert events_socket_of("prefill-0", pid).exists()
     assert await asyncio.gather(*answers) == unbroken
     await idle_again(stack, observer, "prefill-0", epoch)
-    assert not left_behind(pid)
+    assert not events_socket_of("prefill-0", pid).exists()
