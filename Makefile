@@ -75,10 +75,10 @@ TIER_DOCS := tests/deploy tests/benchmarks
 TIER_ENGINE := tests/integration
 TIER_E2E := tests/e2e
 
-test: setup  ## the whole suite, as CI runs it: ruff, the schema check, every tier below
+test: setup  ## the whole suite, as CI runs it: ruff, the schema check, every tier below; it lists the 20 slowest tests (keep the suite under ~40 min on 2 cores)
 	$(BIN)/ruff check .
 	$(BIN)/kvpush schemas export --check
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 
 test-fast: setup  ## pure logic: no engine, nats-server or browser (under 2 min on 2 cores)
 	$(BIN)/python -m pytest $(TIER_FAST) $(PYTEST_ARGS)
