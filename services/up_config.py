@@ -30,6 +30,7 @@ PASSED_TO_WORKERS = (
     "max_num_seqs",
     "reasoning_parser",
     "kv_checksum",
+    "serial_prefill_tokens",
 )
 
 
@@ -66,6 +67,7 @@ class UpConfig:
     decode_engine_args: tuple[str, ...] = ()
     reasoning_parser: str | None = None  # every worker's engine and the gateway's serving layer
     kv_checksum: str | None = None  # every worker's (see kvpush prefill --help)
+    serial_prefill_tokens: int | None = None  # every worker's (see kvpush decode --help)
     trace_file: str | None = None
     log_dir: str = str(Path.home() / ".cache" / "kvpush" / "logs")
     start_timeout_s: float = 300.0

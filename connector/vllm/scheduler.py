@@ -112,22 +112,44 @@ class SchedulerHalf:
         self._block_budget: int | None = None  # free blocks this step's continuations may take
         self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
         # driver then sleeps until the worker half's activity signal instead of stepping again)
+        # decode: a long prompt D computes itself was admitted in the step being scheduled
+        # (_waits_its_turn), and how many waited for a later step so far
+        self._long_prefill_admitted = False
+        self.prefills_deferred = 0
 
     # ---- decode side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        if not self.is_decode or request.request_id in self._handled:
+    ) -> tuple[int | None, bool]:
+        """Decode: the prompt tokens a peer sends (loaded asynchronously), else 0: D computes
+        what its prefix cache lacks, or None: not in this step (``_waits_its_turn``)."""
+        if not self.is_decode:
             return 0, False
-        params = read_params(request.kv_transfer_params)
-        if params is None:
-            return 0, False
-        missing = request.num_prompt_tokens - num_computed_tokens
-        if missing < self.settings.min_transfer_tokens:
+        handled = request.request_id in self._handled
+        params = None if handled else read_params(request.kv_transfer_params)
+        if params is not None:
+            missing = request.num_prompt_tokens - num_computed_tokens
+            if missing >= self.settings.min_transfer_tokens:
+                return missing, True
             if num_computed_tokens:  # D's own prefix cache: not a fallback (the gateway's outcome)
                 self._marks.record(params.transfer_id, kv_cached=now_ns())
-            return 0, False
-        return missing, True
+        if self._waits_its_turn(request.num_tokens - num_computed_tokens):
+            return None, False
+        return 0, False
+
+    def _waits_its_turn(self, uncached: int) -> bool:
+        """Whether a prompt D computes itself (``uncached`` tokens its prefix cache lacks) waits
+        for the next step: it is long (``serial_prefill_tokens`` or more) and this step already
+        admitted a long one. Each such prefill fills the device's compute alone, so one a step
+        ends the first sooner and the others about when one batch of all would have."""
+        limit = self.settings.serial_prefill_tokens
+        if limit <= 0 or uncached < limit:
+            return False
+        if self._long_prefill_admitted:
+            self.prefills_deferred += 1
+            return True
+        self._long_prefill_admitted = True
+        return False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if not self.is_decode or request.request_id in self._handled:
@@ -271,6 +293,7 @@ class SchedulerHalf:
         with self._lock:
             meta.suspects, self._suspects = self._suspects, []
         meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        self._long_prefill_admitted = False  # the step is scheduled: the next one starts
         self.last_step_idle = meta.idle_step
         return meta
 

@@ -18,6 +18,7 @@ import pytest
 from kvpush.connector.bus import Bus
 from kvpush.services import models
 from kvpush.services.natsd import EmbeddedNats
+from kvpush.services.workers.config import DEFAULT_SERIAL_PREFILL_TOKENS
 from tests.integration.engine_proc import D_CORES, P_CORES, EngineProc, start_engine
 from tests.integration.gateway_fakes import Stacks, write_model_dir
 
@@ -57,9 +58,12 @@ def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pd_engines(
     tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
 ) -> Iterator[tuple[EngineProc, EngineProc]]:
-    """The session's prefill (P, core 0) and decode (D, core 1) engines, started in parallel."""
+    """The session's prefill (P, core 0) and decode (D, core 1) engines, started in parallel; D
+    admits long prompts it computes itself one a step, as kvpush's workers on CUDA do
+    (``serial_prefill_tokens``; on CPU they keep vLLM's batching)."""
     names = (("P", PREFILL_ID, P_CORES), ("D", DECODE_ID, D_CORES))
-    engines = start_pair(tiny_model, nats_server.url, engine_logs, names)
+    serial = {"serial_prefill_tokens": DEFAULT_SERIAL_PREFILL_TOKENS["cuda"]}
+    engines = start_pair(tiny_model, nats_server.url, engine_logs, names, decode_settings=serial)
     yield engines
     for engine in engines:
         engine.stop()
@@ -70,13 +74,16 @@ def start_pair(
     url: str,
     logs: Path,
     names: tuple[tuple[str, str, list[int]], tuple[str, str, list[int]]],
+    decode_settings: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> tuple[EngineProc, EngineProc]:
     """A prefill and a decode engine ((log name, worker id, cores) each), started in parallel;
-    ``overrides`` are EngineConfig fields of both."""
+    ``decode_settings`` are ConnectorSettings of D, ``overrides`` EngineConfig fields of both."""
     (p_name, p_id, p_cores), (d_name, d_id, d_cores) = names
     p_config = connector_config("prefill", p_id, url)
-    d_config = connector_config("decode", d_id, url, transfer_timeout_s=20.0)
+    d_config = connector_config(
+        "decode", d_id, url, transfer_timeout_s=20.0, **(decode_settings or {})
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         prefill = pool.submit(
             start_engine, p_name, model, p_cores, logs, kv_transfer_config=p_config, **overrides

@@ -206,3 +206,24 @@ def test_many_concurrent_transfers_are_all_token_exact(
     prefill.collect([r["request_id"] for r in p_reqs])
     assert [out["token_ids"] for out in d_outs] == expected
     assert all(out["kv_landed_ns"] > 0 for out in d_outs), d_outs
+
+
+def test_long_prompts_decode_computes_take_a_step_each(
+    pd_engines: tuple[EngineProc, EngineProc], rng: random.Random
+) -> None:
+    """Prompts D computes itself that lack ``serial_prefill_tokens`` (512) or more tokens in its
+    prefix cache are admitted one an engine step (``SchedulerHalf._waits_its_turn``); a short
+    one joins the step. vLLM's own batching would take all three in one step (this test then
+    fails: one busy step, not two)."""
+    decode = pd_engines[1]
+    burst = [prompt(rng, 4 * BLOCK + 100), prompt(rng, 50), prompt(rng, 4 * BLOCK + 100)]
+    expected = [reference(decode, ids) for ids in burst]
+    before = decode.stats()
+    outs = decode.generate(
+        [request(f"turns-{uuid.uuid4().hex[:8]}", ids, max_tokens=1) for ids in burst]
+    )
+    after = decode.stats()
+    assert all(out["error"] is None for out in outs), outs
+    assert [out["token_ids"] for out in outs] == [ids[:1] for ids in expected]
+    busy = (after["steps"] - after["idle_steps"]) - (before["steps"] - before["idle_steps"])
+    assert busy == 2, (before, after)

@@ -457,3 +457,23 @@ def test_a_worker_names_its_gpu_in_heartbeats_as_its_engine_sees_it(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert named("cuda", 1) == f"{host}/gpu1"  # --gpu is the engine's CUDA_VISIBLE_DEVICES
     assert named("cuda", None) == f"{host}/gpu3"  # none given: the first GPU it inherits
+
+
+def test_decode_takes_long_local_prefills_one_a_step_on_cuda_and_batches_them_on_cpu(
+    tmp_path,
+) -> None:
+    """``--serial-prefill-tokens``: 512 on CUDA, 0 (vLLM's batching) on CPU, a flag over
+    either; a negative one is a ConfigError."""
+    parser = argparse.ArgumentParser()
+    worker_config.add_arguments(parser)
+
+    def serial(*flags: str) -> int:
+        args = parser.parse_args(["--model", str(tmp_path), *flags])
+        cfg = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
+        return cfg.kv_transfer_config["kv_connector_extra_config"]["serial_prefill_tokens"]
+
+    assert (serial("--device", "cuda"), serial("--device", "cpu")) == (512, 0)
+    assert serial("--device", "cuda", "--serial-prefill-tokens", "0") == 0
+    assert serial("--device", "cpu", "--serial-prefill-tokens", "1024") == 1024
+    with pytest.raises(ConfigError, match="--serial-prefill-tokens must be >= 0"):
+        serial("--serial-prefill-tokens", "-1")
