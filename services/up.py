@@ -145,8 +145,8 @@ class Stack:
             gpu = cfg.gpu_of(n) if cuda and gpus else None
             if gpu is not None:
                 argv += ["--gpu", str(gpu), "--gpu-memory-utilization", str(cfg.gpu_share(n))]
-            for key in up_config.PASSED_TO_WORKERS:
-                if getattr(cfg, key):
+            for key in up_config.PASSED_TO_WORKERS:  # as given (None: not given; 0 is a value)
+                if getattr(cfg, key) is not None:
                     argv += [up_config.WORKER[key].flags[0], str(getattr(cfg, key))]
             argv += [f"--engine-arg={flag}" for flag in cfg.engine_args_of(role)]
             # vLLM's vllm:* engine metrics of this worker, on a socket up holds (restarts too)

@@ -113,9 +113,8 @@ class SchedulerHalf:
         self.last_step_idle = False  # did the last step schedule no tokens? (an in-process
         # driver then sleeps until the worker half's activity signal instead of stepping again)
         # decode: a long prompt D computes itself was admitted in the step being scheduled
-        # (_waits_its_turn), and how many waited for a later step so far
+        # (_waits_its_turn)
         self._long_prefill_admitted = False
-        self.prefills_deferred = 0
 
     # ---- decode side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -133,7 +132,11 @@ class SchedulerHalf:
                 return missing, True
             if num_computed_tokens:  # D's own prefix cache: not a fallback (the gateway's outcome)
                 self._marks.record(params.transfer_id, kv_cached=now_ns())
-        if self._waits_its_turn(request.num_tokens - num_computed_tokens):
+        uncached = request.num_tokens - num_computed_tokens
+        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM 0.32 admits it anyway
+            self._long_prefill_admitted |= 0 < self.settings.serial_prefill_tokens <= uncached
+            return 0, False
+        if self._waits_its_turn(uncached):
             return None, False
         return 0, False
 
@@ -146,7 +149,6 @@ class SchedulerHalf:
         if limit <= 0 or uncached < limit:
             return False
         if self._long_prefill_admitted:
-            self.prefills_deferred += 1
             return True
         self._long_prefill_admitted = True
         return False

@@ -299,3 +299,56 @@ def test_the_gateway_tokenizes_on_several_threads_unless_a_vllm_arg_says_otherwi
 
     assert threads() == tokenizer_threads() > 1 or len(os.sched_getaffinity(0)) == 1
     assert threads("--vllm-arg=--renderer-num-workers=1") == 1
+
+
+# ---- the decode half's rule for long prompts D computes itself --------------------------------
+SERIAL_PREFILL = """
+import uuid
+from types import SimpleNamespace as NS
+from kvpush.connector.params import ConnectorSettings
+from kvpush.connector.vllm.scheduler import SchedulerHalf
+from kvpush.schemas.messages import WorkerRole
+
+def half(serial, role=WorkerRole.DECODE):
+    settings = ConnectorSettings("unit", role, serial_prefill_tokens=serial)
+    return SchedulerHalf(settings, 16, "unit-" + uuid.uuid4().hex[:8])
+
+def local(tokens, skip_cache=False):  # no KV transfer params: D computes it
+    return NS(request_id=uuid.uuid4().hex, kv_transfer_params=None, num_prompt_tokens=tokens,
+              num_tokens=tokens, skip_reading_prefix_cache=skip_cache)
+
+def ask(h, request, cached=0):
+    return h.get_num_new_matched_tokens(request, cached)
+
+h = half(512)
+second = local(2048)
+assert ask(h, local(2048)) == (0, False)
+assert ask(h, second) == (None, False)  # a long one is in this step: the next
+assert ask(h, local(300)) == (0, False)  # short: joins
+assert ask(h, local(2048), 1600) == (0, False)  # 448 past the prefix hit: joins
+h.build_connector_meta(NS(total_num_scheduled_tokens=1))
+assert ask(h, second) == (0, False) and ask(h, local(4096)) == (None, False)
+# prompt_logprobs (vLLM 0.32 reads no prefix cache and admits it anyway): the step's long one
+h.build_connector_meta(NS(total_num_scheduled_tokens=1))
+assert ask(h, local(2048, skip_cache=True)) == (0, False) and ask(h, local(2048)) == (None, False)
+h.build_connector_meta(NS(total_num_scheduled_tokens=1))
+assert ask(h, local(2048)) == (0, False)
+assert ask(h, local(2048, skip_cache=True)) == (0, False)  # not None: 0.32 would admit it anyway
+# 0: vLLM's batching; a prefill engine: never held back
+others = [half(0), half(512, WorkerRole.PREFILL)]
+for x in others:
+    assert [ask(x, local(4096)) for _ in range(3)] == [(0, False)] * 3
+for x in (h, *others):
+    x.shutdown()
+print("ok")
+"""
+
+
+def test_the_decode_half_admits_long_prompts_it_computes_one_a_step() -> None:
+    """``serial_prefill_tokens``: a second long prompt D computes itself waits for the next
+    step (``None``), short ones and those mostly cached join; a prompt_logprobs request is
+    admitted and counts as the step's long one; 0 and a prefill engine hold nothing back."""
+    done = subprocess.run(
+        [sys.executable, "-c", SERIAL_PREFILL], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

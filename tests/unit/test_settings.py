@@ -477,3 +477,15 @@ def test_decode_takes_long_local_prefills_one_a_step_on_cuda_and_batches_them_on
     assert serial("--device", "cpu", "--serial-prefill-tokens", "1024") == 1024
     with pytest.raises(ConfigError, match="--serial-prefill-tokens must be >= 0"):
         serial("--serial-prefill-tokens", "-1")
+    # kvpush up hands a given 0 on (0 turns the rule off; not given: the workers' default)
+    from kvpush.services.up import Stack
+
+    for given, passed in ((("--serial-prefill-tokens", "0"), ["0"]), ((), [])):
+        flags = (*given, "--log-dir", str(tmp_path))
+        stack = Stack(UpConfig.from_args(parse(UP_SETTINGS, *flags), {}))
+        stack.nats_url, stack.model_dir = "nats://127.0.0.1:1", str(tmp_path)
+        stack._plan()
+        for child in stack.workers:
+            argv = child.argv
+            at = [i + 1 for i, flag in enumerate(argv) if flag == "--serial-prefill-tokens"]
+            assert [argv[i] for i in at] == passed, argv
