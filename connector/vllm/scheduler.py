@@ -132,11 +132,10 @@ class SchedulerHalf:
                 return missing, True
             if num_computed_tokens:  # D's own prefix cache: not a fallback (the gateway's outcome)
                 self._marks.record(params.transfer_id, kv_cached=now_ns())
-        uncached = request.num_tokens - num_computed_tokens
-        if getattr(request, "skip_reading_prefix_cache", False):  # vLLM 0.32 admits it anyway
-            self._long_prefill_admitted |= 0 < self.settings.serial_prefill_tokens <= uncached
-            return 0, False
-        if self._waits_its_turn(uncached):
+        waits = self._waits_its_turn(request.num_tokens - num_computed_tokens)
+        # vLLM 0.32 admits a request that reads no prefix cache (prompt_logprobs) whatever it is
+        # told: it is then the step's long one, as _waits_its_turn counted it
+        if waits and not getattr(request, "skip_reading_prefix_cache", False):
             return None, False
         return 0, False
 
