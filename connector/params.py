@@ -99,8 +99,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     peer_silent_dead_s: float = 30.0
     min_transfer_tokens: int = 2  # prompts shorter than this are computed locally on D
     # decode: a prompt D computes itself that lacks this many tokens or more in its prefix
-    # cache waits for the next step when the step has one already (0: vLLM's batching; kvpush's
-    # workers set it per device: services/workers/config.py)
+    # cache waits for the next step when the step has one already (0: vLLM's batching, kvpush's
+    # workers' default too: services/workers/config.py)
     serial_prefill_tokens: int = 0
     ucx_error_handling_mode: str = "none"
     max_pending_announcements: int = 4096

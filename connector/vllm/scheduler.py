@@ -142,8 +142,9 @@ class SchedulerHalf:
     def _waits_its_turn(self, uncached: int) -> bool:
         """Whether a prompt D computes itself (``uncached`` tokens its prefix cache lacks) waits
         for the next step: it is long (``serial_prefill_tokens`` or more) and this step already
-        admitted a long one. Each such prefill fills the device's compute alone, so one a step
-        ends the first sooner and the others about when one batch of all would have."""
+        admitted a long one. Where each such prefill fills the device's compute alone, one a step
+        ends the first sooner and the others about when one batch of all would have; where a
+        batch costs little more than one, the others answer later (docs/operating.md)."""
         limit = self.settings.serial_prefill_tokens
         if limit <= 0 or uncached < limit:
             return False

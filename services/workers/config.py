@@ -76,9 +76,11 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0  # then in-flight requests are aborted
     transfer_timeout_s: float = 30.0  # a transfer without a deadline gets this long
     kv_checksum: str = "on"  # "on": P checksums the moved KV, D verifies it; "off": neither
-    # decode: a prompt D computes that lacks this many tokens waits for a step of its own (0: off;
-    # None: DEFAULT_SERIAL_PREFILL_TOKENS of the device)
-    serial_prefill_tokens: int | None = None
+    # decode: a prompt D computes that lacks this many tokens waits for an engine step of its own
+    # (connector/vllm/scheduler.py, SchedulerHalf._waits_its_turn). 0 (off: vLLM batches them) on
+    # every device: one long prefill a step did not pay in its A/B runs (CPU: TPOT up; an H100
+    # at 90 % reuse and c=4: TTFT P50 the same once, worse once; docs/operating.md)
+    serial_prefill_tokens: int = 0
     kv_events: str = "on"  # "on": vLLM's KV cache events feed CacheEvents (cache_events.py)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: any free port (it is advertised in heartbeats)
@@ -142,10 +144,7 @@ class WorkerConfig:
         engine_core = engine_core_of(self.engine_core, device)
         eager = self.enforce_eager == "on" or (self.enforce_eager == "auto" and device == "cpu")
         seqs = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device]
-        serial = self.serial_prefill_tokens
-        extra["serial_prefill_tokens"] = (
-            DEFAULT_SERIAL_PREFILL_TOKENS[device] if serial is None else serial
-        )
+        extra["serial_prefill_tokens"] = self.serial_prefill_tokens
         # a field of both configs means the same in both; the others are resolved here
         fields = dataclasses.fields(EngineConfig)
         same = {f.name: getattr(self, f.name) for f in fields if hasattr(self, f.name)}
@@ -174,13 +173,6 @@ DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 # Requests an engine batches in one step. CUDA: vLLM's default for the GPU and `vllm serve`
 # (1024 on an H200); CPU: 64 (a 1 GiB KV pool holds few long prompts at once anyway).
 DEFAULT_MAX_NUM_SEQS: dict[str, int | None] = {"cpu": 64, "cuda": None}
-# Prompt tokens past D's prefix hit from which a prompt D computes itself gets an engine step of
-# its own (connector/vllm/scheduler.py, SchedulerHalf._waits_its_turn). CUDA: 512 (an 8B model's
-# prefill of 512 tokens or more fills the GPU, so one a step answers the first of a burst sooner
-# and the others about when one batch would have: docs/operating.md); CPU: 0, vLLM's batching (a
-# small model's prefills on a core batch for less than their sum, and one a step stretched the
-# running answers' TPOT in a run of it: issue 32's note).
-DEFAULT_SERIAL_PREFILL_TOKENS: dict[str, int] = {"cpu": 0, "cuda": 512}
 # Where vLLM's engine core runs by default. CUDA: its own process, as `vllm serve` (the GPU
 # works while the client detokenizes and the worker serves the bus). CPU: a thread of the
 # worker, stepped only when there is work: on a 2-core box an engine-core process per engine

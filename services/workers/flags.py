@@ -226,10 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
         ("--serial-prefill-tokens",),
         int,
         "decode: a prompt the engine computes itself that lacks N or more tokens in its prefix"
-        " cache waits for the next engine step when that step already takes one: long prefills"
-        " one a step, so the first of a burst answers sooner and the rest about when one batch"
-        " would have (default 512 on CUDA; 0, vLLM's own batching of every waiting prompt, on"
-        " CPU, where a small model's prefills batch for less than their sum)",
+        " cache waits for the next engine step when that step already takes one (long prefills"
+        " one a step: the first of a burst answers sooner, the others later than in one batch;"
+        " default 0, vLLM's own batching of every waiting prompt, which did as well or better"
+        " in kvpush's runs: docs/operating.md)",
         metavar="N",
     ),
     Setting(

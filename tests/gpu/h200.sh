@@ -165,9 +165,10 @@ routing)
     # every engine gets 0.25 of the card (vllm-serve's one engine twice it); D_SHARE: kvpush's
     # decode engine's own (e.g. 0.4: P 0.25 + P 0.25 + D 0.4; at 0.25 D's KV cache cannot hold
     # reuse90:8192's shared prefixes beside four running prompts,
-    # docs/benchmarks/routing/h100-reuse-1.md). KVPUSH_SERIAL_PREFILL_TOKENS=0 in the environment
-    # reaches kvpush's workers: D then batches long LOCAL prompts as vLLM does (the control of
-    # the CUDA default 512, docs/operating.md "Long prompts D computes, one a step")
+    # docs/benchmarks/routing/h100-reuse-1.md). KVPUSH_SERIAL_PREFILL_TOKENS=512 in the
+    # environment reaches kvpush's workers: D then admits long LOCAL prompts one an engine step
+    # (the default 0 is vLLM's batching; docs/operating.md "Long prompts D computes",
+    # docs/benchmarks/routing/h100-serial-off.md)
     limit=${LIMIT:-585}
     timeout "$limit" setsid python3 -m kvpush.services.cli bench serve --device cuda \
         --model llama-8b --client vllm --repeats "${REPEATS:-1}" --output-len 64 --qps "" \

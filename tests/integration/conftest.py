@@ -18,7 +18,6 @@ import pytest
 from kvpush.connector.bus import Bus
 from kvpush.services import models
 from kvpush.services.natsd import EmbeddedNats
-from kvpush.services.workers.config import DEFAULT_SERIAL_PREFILL_TOKENS
 from tests.integration.engine_proc import D_CORES, P_CORES, EngineProc, start_engine
 from tests.integration.gateway_fakes import Stacks, write_model_dir
 
@@ -59,10 +58,10 @@ def pd_engines(
     tiny_model: Path, nats_server: EmbeddedNats, engine_logs: Path
 ) -> Iterator[tuple[EngineProc, EngineProc]]:
     """The session's prefill (P, core 0) and decode (D, core 1) engines, started in parallel; D
-    admits long prompts it computes itself one a step, as kvpush's workers on CUDA do
-    (``serial_prefill_tokens``; on CPU they keep vLLM's batching)."""
+    admits long prompts it computes itself one a step (``serial_prefill_tokens`` 512, the opt-in
+    ``--serial-prefill-tokens`` under test; kvpush's workers keep vLLM's batching by default)."""
     names = (("P", PREFILL_ID, P_CORES), ("D", DECODE_ID, D_CORES))
-    serial = {"serial_prefill_tokens": DEFAULT_SERIAL_PREFILL_TOKENS["cuda"]}
+    serial = {"serial_prefill_tokens": 512}
     engines = start_pair(tiny_model, nats_server.url, engine_logs, names, decode_settings=serial)
     yield engines
     for engine in engines:

@@ -459,11 +459,11 @@ def test_a_worker_names_its_gpu_in_heartbeats_as_its_engine_sees_it(
     assert named("cuda", None) == f"{host}/gpu3"  # none given: the first GPU it inherits
 
 
-def test_decode_takes_long_local_prefills_one_a_step_on_cuda_and_batches_them_on_cpu(
+def test_decode_batches_long_local_prefills_unless_told_to_take_them_one_a_step(
     tmp_path,
 ) -> None:
-    """``--serial-prefill-tokens``: 512 on CUDA, 0 (vLLM's batching) on CPU, a flag over
-    either; a negative one is a ConfigError."""
+    """``--serial-prefill-tokens``: 0 (vLLM's batching) on CUDA and CPU, a flag over either; a
+    negative one is a ConfigError."""
     parser = argparse.ArgumentParser()
     worker_config.add_arguments(parser)
 
@@ -472,8 +472,8 @@ def test_decode_takes_long_local_prefills_one_a_step_on_cuda_and_batches_them_on
         cfg = worker_config.config_from_args(WorkerRole.DECODE, args, {}).engine_config()
         return cfg.kv_transfer_config["kv_connector_extra_config"]["serial_prefill_tokens"]
 
-    assert (serial("--device", "cuda"), serial("--device", "cpu")) == (512, 0)
-    assert serial("--device", "cuda", "--serial-prefill-tokens", "0") == 0
+    assert (serial("--device", "cuda"), serial("--device", "cpu")) == (0, 0)
+    assert serial("--device", "cuda", "--serial-prefill-tokens", "512") == 512
     assert serial("--device", "cpu", "--serial-prefill-tokens", "1024") == 1024
     with pytest.raises(ConfigError, match="--serial-prefill-tokens must be >= 0"):
         serial("--serial-prefill-tokens", "-1")
