@@ -6,7 +6,8 @@ reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writ
 ``docs/benchmarks/routing/results.md`` (the H200's run: ``h200.json`` into ``h200.md``;
 ``kvpush.benchmarks.docgen`` markers; the prose
 around it is left alone): per table (reuse share, prompt length) one row per point and system
-with TTFT P50 and P99 (ms, median and [min-max] over repeats), then the ratios peer /
+with TTFT P50 and P99 and the mean TPOT (ms, median and [min-max] over repeats: a route that
+prefills on a busy D shows in its running answers' TPOT), then the TTFT ratios peer /
 ``kvpush-routed`` of those medians (above 1: kvpush-routed is faster; a table with only the
 1P1D row ``kvpush-routed-1p1d``: peers / it), then, when the run
 recorded them (``Point.routing``: runs before it did not, and their section has none), the
@@ -116,13 +117,14 @@ def table_lines(dataset: str, input_len: int, rows: list[Row]) -> list[str]:
     title = TABLE_TITLES.get(dataset, dataset)
     lines = [f"### {title}, {input_len}-token prompts (`{dataset}:{input_len}`)", ""]
     lines += [
-        "| point | system | TTFT P50 (ms) | TTFT P99 (ms) | done/err |",
-        "|---|---|---|---|---|",
+        "| point | system | TTFT P50 (ms) | TTFT P99 (ms) | TPOT mean (ms) | done/err |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        p50, p99 = (_cell(r.figures.get(f)) for f in FIGURES)
+        p50, p99, tpot = (_cell(r.figures.get(f)) for f in (*FIGURES, "tpot_mean"))
         lines.append(
-            f"| {_point_label(r)} | {r.system} | {p50} | {p99} | {r.completed}/{r.errors} |"
+            f"| {_point_label(r)} | {r.system} | {p50} | {p99} | {tpot} | "
+            f"{r.completed}/{r.errors} |"
         )
     lines.append("")
     names = {r.system for r in rows}

@@ -78,8 +78,8 @@ class WorkerConfig:
     kv_checksum: str = "on"  # "on": P checksums the moved KV, D verifies it; "off": neither
     # decode: a prompt D computes that lacks this many tokens waits for an engine step of its own
     # (connector/vllm/scheduler.py, SchedulerHalf._waits_its_turn). 0 (off: vLLM batches them) on
-    # every device: one long prefill a step did not pay in its A/B runs (CPU: TPOT up; an H100
-    # at 90 % reuse and c=4: TTFT P50 the same once, worse once; docs/operating.md)
+    # every device: in the A/B runs of that rule TPOT rose (CPU, an H100) and TTFT P50 showed no
+    # consistent gain (an H100 at 90 % reuse and c=4; docs/operating.md)
     serial_prefill_tokens: int = 0
     kv_events: str = "on"  # "on": vLLM's KV cache events feed CacheEvents (cache_events.py)
     side_channel_host: str = "127.0.0.1"

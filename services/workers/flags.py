@@ -227,9 +227,10 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         "decode: a prompt the engine computes itself that lacks N or more tokens in its prefix"
         " cache waits for the next engine step when that step already takes one (long prefills"
-        " one a step: the first of a burst answers sooner, the others later than in one batch;"
-        " default 0, vLLM's own batching of every waiting prompt, which did as well or better"
-        " in kvpush's runs: docs/operating.md)",
+        " one a step: the first of a burst answers sooner, the others about when one batch would"
+        " have where one prefill fills the device, later where a batch costs little more;"
+        " default 0, vLLM's own batching of every waiting prompt: the rule showed no consistent"
+        " TTFT gain in kvpush's runs and a higher TPOT, docs/operating.md)",
         metavar="N",
     ),
     Setting(

@@ -409,6 +409,7 @@ def _point(system: str, dataset: str, conc: int, p50: float, p99: float) -> resu
         "completed": 20,
         "errors": 0,
         "ttft_ms": {"mean": p50, "p50": p50, "p99": p99},
+        "tpot_ms": {"mean": p99 / 10, "p50": p99 / 10, "p99": p99 / 5},
     }
     return results.point(row)
 
@@ -426,10 +427,10 @@ def _document() -> results.Document:
     return results.Document(meta={"device": "cpu", "repeats": 1}, systems=systems, points=points)
 
 
-def test_routing_tables_show_p50_p99_and_ratios_over_routed() -> None:
+def test_routing_tables_show_p50_p99_tpot_and_ratios_over_routed() -> None:
     text = routing_report.body(_document())
     assert "### 90% reuse, 1024-token prompts (`reuse90:1024`)" in text
-    assert "| c=4 | kvpush-routed | 40.0 | 80.0 | 20/0 |" in text
+    assert "| c=4 | kvpush-routed | 40.0 | 80.0 | 8.00 | 20/0 |" in text  # TPOT mean 80 / 10
     # least-loaded at 90% reuse, c=1: P50 50 ms over routed's 10 ms; P99 99 over 20
     assert "| c=1 | kvpush-least-loaded | 5.00 | 4.95 |" in text
     assert "| c=4 | vllm-serve | 0.50 | 2.00 |" in text  # 20/40, 160/80
@@ -452,7 +453,7 @@ def test_a_table_without_routed_rows_has_no_ratios() -> None:
     document = _document()
     document.points = [p for p in document.points if p.system != "kvpush-routed"]
     text = routing_report.body(document)
-    assert "Ratios" not in text and "| c=1 | vllm-serve | 5.00 | 40.0 | 20/0 |" in text
+    assert "Ratios" not in text and "| c=1 | vllm-serve | 5.00 | 40.0 | 4.00 | 20/0 |" in text
 
 
 def test_write_doc_then_check_and_a_hand_edit_fails(tmp_path: Path) -> None:
