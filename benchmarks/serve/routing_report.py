@@ -1,4 +1,4 @@
-"""The routing benchmark's tables (issue 32): TTFT per system and point, peers / kvpush-routed.
+"""The routing benchmark's tables (issue 32): TTFT and TPOT per system and point, ratios.
 
 ``kvpush bench serve --systems kvpush-routed,kvpush-least-loaded,vllm-serve,... --tables
 reuse50:1024,reuse90:1024 --client vllm --out-dir docs/benchmarks/routing`` writes
