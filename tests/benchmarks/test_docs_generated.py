@@ -186,9 +186,10 @@ def test_api_md_parity_table_is_what_the_committed_run_generates() -> None:
     assert not docgen.update(doc, parity_report.NAME, body, parity_report.COMMAND, check=True)
 
 
-@pytest.mark.parametrize("name", ["decision", "decision-alone"])
+@pytest.mark.parametrize("name", ["decision", "decision-alone", "decision-2746941"])
 def test_routing_decision_md_is_what_the_committed_run_generates(name: str) -> None:
-    """decision.md (the fleet names devices) and decision-alone.md (``--no-devices``)."""
+    """decision.md (the fleet names devices), decision-alone.md (``--no-devices``) and
+    decision-2746941.md (the earlier run that missed)."""
     from kvpush.benchmarks import route
 
     folder = DOCS / "benchmarks" / "routing"
