@@ -29,6 +29,7 @@ FILE_NAME = "results.partial.json"
 # meta keys that define the run: a resume with any of them different is a different run
 SAME_RUN_KEYS = (
     "kvpush_rev",
+    "kvpush_env",
     "model",
     "cores",
     "prefill_core",

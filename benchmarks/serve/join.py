@@ -32,7 +32,8 @@ PART_KEYS = ("date", "kvpush_rev", "systems", "argv")
 # what parts may differ in; a system's GPU memory share too (a one-engine peer keeps the
 # bench's default while kvpush's engines split the GPU: each part states its own)
 DECODE_SHARE = "decode_gpu_memory_utilization"  # kvpush's D engines' own share, if given
-FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization", DECODE_SHARE)
+FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization", DECODE_SHARE, "kvpush_env")
+ENV = "kvpush_env"  # the KVPUSH_* settings kvpush's systems inherited (an A/B's parts differ)
 
 
 class JoinError(ValueError):
@@ -105,6 +106,7 @@ def join(parts: list[Document]) -> Document:
     for entry, part in zip(meta["parts"], parts, strict=True):
         if part.meta.get(DECODE_SHARE) is not None:
             entry[DECODE_SHARE] = part.meta[DECODE_SHARE]
+    _environments(meta, parts)
     joined = Document(schema=first.schema, meta=meta)
     for name in systems:
         part = parts[owner[name]]
@@ -119,6 +121,24 @@ def join(parts: list[Document]) -> Document:
         joined.capacity.update(part.capacity)
     joined.meta.pop("cut_short", None)
     return joined
+
+
+def _environments(meta: dict[str, Any], parts: list[Document]) -> None:
+    """The joined run's ``kvpush_env``: that of the parts that ran a kvpush system when they
+    agree; else none for the whole run and each such part's own under ``parts``."""
+    ran_kvpush = [
+        (entry, part)
+        for entry, part in zip(meta["parts"], parts, strict=True)
+        if any(name.startswith("kvpush") for name in entry["ran"])
+    ]
+    found = {repr(part.meta.get(ENV)) for _, part in ran_kvpush}
+    meta.pop(ENV, None)
+    if len(found) == 1:
+        if (env := ran_kvpush[0][1].meta.get(ENV)) is not None:  # None: a run before the key
+            meta[ENV] = env
+    elif found:
+        for entry, part in ran_kvpush:
+            entry[ENV] = part.meta.get(ENV) or {}
 
 
 def _decode_share(parts: list[Document], owner: dict[str, int], systems: list[str]) -> Any:

@@ -97,6 +97,8 @@ def _meta_lines(document: Document) -> list[str]:
             share = part.get("gpu_memory_utilization")  # kept where the parts' shares differ
             if share is not None:
                 systems += f" (--gpu-memory-utilization {share:g})"
+            if "kvpush_env" in part:  # kept where the parts' KVPUSH_* settings differ
+                systems += f" ({results_mod.environment_text(part['kvpush_env']) or 'no KVPUSH_*'})"
             lines.append(
                 f"{n}. {part.get('date', '?')} at {part.get('kvpush_rev', '?')}, ran {systems}: "
                 f"`kvpush {' '.join(part.get('argv') or [])}`"
@@ -104,6 +106,8 @@ def _meta_lines(document: Document) -> list[str]:
         lines.append("")
     else:
         lines += [f"Command: `kvpush {' '.join(meta.get('argv') or [])}`", ""]
+    if env := results_mod.environment_text(meta.get("kvpush_env")):
+        lines += [f"kvpush's settings from the environment: {env}.", ""]
     if document.capacity:
         given = {c.probed_on for c in document.capacity.values()} == {GIVEN}
         values = "; ".join(

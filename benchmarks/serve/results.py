@@ -24,10 +24,12 @@ checked against these structs). One ``Point`` per (system, table, point, repeat)
   (requests verified), ``without_transfer`` (requests served without a KV transfer, or not
   verifiable), ``detail`` and the raw ``counts`` it was computed from.
 
-Next to the points: ``meta`` (date, revision, versions, argv, plan), ``systems`` (per system its
-runs: repeat, ok, start seconds, error), ``capacity`` (per input length: the probed prefill
-capacity and on which system), ``rates_by_len``. ``ratios`` and ``verdicts`` are derived from
-the points when the run ends, for readers of the JSON; ``kvpush bench report`` recomputes them.
+Next to the points: ``meta`` (date, revision, versions, argv, plan, ``kvpush_env``: the
+``KVPUSH_*`` settings kvpush's systems inherited from the bench's environment), ``systems``
+(per system its runs: repeat, ok, start seconds, error), ``capacity`` (per input length: the
+probed prefill capacity and on which system), ``rates_by_len``. ``ratios`` and ``verdicts``
+are derived from the points when the run ends, for readers of the JSON; ``kvpush bench
+report`` recomputes them.
 Documents of the first format (no ``point``/``repeat``/``transfer_check``) and those written
 before ``routing`` load too.
 
@@ -36,6 +38,8 @@ Threading model: pure functions and msgspec structs.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +98,29 @@ class Point(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if not self.point:
             self.point = self.label
+
+
+# KVPUSH_* variables not recorded: the revision stamp (meta's kvpush_rev) and what may hold a
+# secret (KVPUSH_NATS_TOKEN, KVPUSH_API_KEYS, KVPUSH_NATS_TLS_KEY, a URL's user and password)
+_NOT_SETTINGS = re.compile(
+    r"^KVPUSH_REVISION$|_(TOKEN|PASSWORD|SECRET|CREDS|NKEY|KEY|KEYS|USER|URL)(_|$)"
+)
+
+
+def kvpush_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``KVPUSH_*`` variables of ``environ`` (sorted, empty ones left out): ``kvpush up``
+    and its workers and gateway read their settings from them, so a run's kvpush systems ran
+    with these (``KVPUSH_SERIAL_PREFILL_TOKENS=512``, ``KVPUSH_ENGINE_ARG=--block-size=16``)."""
+    return {
+        name: value
+        for name, value in sorted(environ.items())
+        if name.startswith("KVPUSH_") and value and not _NOT_SETTINGS.search(name)
+    }
+
+
+def environment_text(env: Mapping[str, str] | None) -> str:
+    """``kvpush_env`` as a report says it ("" for none)."""
+    return ", ".join(f"`{name}={value}`" for name, value in (env or {}).items())
 
 
 GIVEN = "given (--capacity)"  # Capacity.probed_on of a capacity given, not probed

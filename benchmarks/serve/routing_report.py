@@ -109,7 +109,20 @@ def _meta_lines(document: Document) -> list[str]:
         if decode is not None:
             text += f"; kvpush's decode engine {decode:g}"
         lines.append(text + ".")
+    lines += _environment_lines(meta)
     return [*lines, ""]
+
+
+def _environment_lines(meta: dict[str, Any]) -> list[str]:
+    """The ``KVPUSH_*`` settings kvpush's systems ran with (each part's where they differ)."""
+    if env := results_mod.environment_text(meta.get("kvpush_env")):
+        return [f"kvpush's settings from the environment: {env}."]
+    return [
+        f"kvpush's settings from the environment in part {n} ({', '.join(part['ran'])}): "
+        f"{results_mod.environment_text(part['kvpush_env']) or 'none'}."
+        for n, part in enumerate(meta.get("parts") or [], 1)
+        if "kvpush_env" in part
+    ]
 
 
 def table_lines(dataset: str, input_len: int, rows: list[Row]) -> list[str]:

@@ -236,6 +236,7 @@ def _meta(args: argparse.Namespace, ctx: BenchContext, the_plan: plan.Plan) -> d
     return {
         "date": docgen.stamp(),
         "kvpush_rev": docgen.revision(),
+        "kvpush_env": results.kvpush_environment(os.environ),  # what kvpush's systems inherit
         "model": (models.read_stamp(ctx.model_dir) or {}).get("recipe"),
         "cores": os.cpu_count(),
         "prefill_core": ctx.prefill_core,

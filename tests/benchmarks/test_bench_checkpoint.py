@@ -278,3 +278,49 @@ def test_parts_with_other_rates_at_a_length_do_not_join(tmp_path: Path, committe
     second = results.Document(meta=_meta(args), rates_by_len={"2048": [9.0]})
     with pytest.raises(join.JoinError, match="other rates at 2048"):
         join.join([first, second])
+
+
+def test_the_kvpush_settings_of_the_environment_are_recorded_and_shown(
+    tmp_path: Path, committed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run records the KVPUSH_* settings its kvpush systems inherit (an A/B such as
+    KVPUSH_SERIAL_PREFILL_TOKENS=512 says so in its own JSON), never a secret; a resume with
+    others is refused; a join keeps each part's where the parts that ran kvpush differ; the
+    routing report shows them."""
+    from kvpush.benchmarks.serve import join, routing_report
+
+    for name in ("KVPUSH_NATS_TOKEN", "KVPUSH_API_KEYS", "KVPUSH_NATS_URL", "KVPUSH_REVISION"):
+        monkeypatch.setenv(name, "secret-or-stamp")
+    monkeypatch.setenv("KVPUSH_SERIAL_PREFILL_TOKENS", "512")
+    given = ("--qps", "auto", "--capacity", "2048=19", "--fractions", "0.5")
+    args = _args(tmp_path, "--systems", "kvpush-routed", *given)
+    rule_on = _meta(args)
+    assert rule_on["kvpush_env"] == {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}
+    out = Path(args.out_dir)
+    checkpoint.save(out, checkpoint.Checkpoint(meta=rule_on))
+    monkeypatch.delenv("KVPUSH_SERIAL_PREFILL_TOKENS")
+    with pytest.raises(checkpoint.ResumeError, match="kvpush_env"):
+        checkpoint.load(out, _meta(args))
+
+    def part(systems: str, env: dict[str, str]) -> results.Document:
+        meta = {**_meta(_args(tmp_path, "--systems", systems, *given)), "kvpush_env": env}
+        points = [_point(s, "0.5x", 0) for s in systems.split(",")]
+        return results.Document(
+            meta=meta, points=points, systems={s: {"ok": True} for s in meta["systems"]}
+        )
+
+    peer = part("vllm-pull", {})  # ran no kvpush system: its environment does not count
+    joined = join.join([peer, part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"})])
+    assert joined.meta["kvpush_env"] == {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}
+    assert "environment: `KVPUSH_SERIAL_PREFILL_TOKENS=512`." in routing_report.body(joined)
+    off = part("kvpush-push", {})
+    ab = join.join([peer, part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}), off])
+    assert "kvpush_env" not in ab.meta
+    assert [p.get("kvpush_env") for p in ab.meta["parts"]] == [
+        None,
+        {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"},
+        {},
+    ]
+    text = routing_report.body(ab)
+    assert "in part 2 (kvpush-routed): `KVPUSH_SERIAL_PREFILL_TOKENS=512`." in text
+    assert "in part 3 (kvpush-push): none." in text

@@ -165,10 +165,12 @@ routing)
     # every engine gets 0.25 of the card (vllm-serve's one engine twice it); D_SHARE: kvpush's
     # decode engine's own (e.g. 0.4: P 0.25 + P 0.25 + D 0.4; at 0.25 D's KV cache cannot hold
     # reuse90:8192's shared prefixes beside four running prompts,
-    # docs/benchmarks/routing/h100-reuse-1.md). KVPUSH_SERIAL_PREFILL_TOKENS=512 in the
-    # environment reaches kvpush's workers: D then admits long LOCAL prompts one an engine step
-    # (the default 0 is vLLM's batching; docs/operating.md "Long prompts D computes",
-    # docs/benchmarks/routing/h100-serial-off.md)
+    # docs/benchmarks/routing/h100-reuse-1.md). KVPUSH_* settings in the environment reach
+    # kvpush's workers and are recorded in results.json (meta.kvpush_env, shown by the report):
+    # KVPUSH_SERIAL_PREFILL_TOKENS=512 (D admits long LOCAL prompts one an engine step; the
+    # default 0 is vLLM's batching: docs/operating.md "Long prompts D computes"),
+    # KVPUSH_ENGINE_ARG=--block-size=16 (vLLM's CUDA block instead of kvpush's 128:
+    # docs/operating.md "Block size")
     limit=${LIMIT:-585}
     timeout "$limit" setsid python3 -m kvpush.services.cli bench serve --device cuda \
         --model llama-8b --client vllm --repeats "${REPEATS:-1}" --output-len 64 --qps "" \
