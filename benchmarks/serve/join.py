@@ -5,12 +5,15 @@ each a whole ``kvpush bench serve`` with its own systems and the same plan other
 load points, repeats, and the prefill capacity given with ``--capacity`` (so every part derives
 the same rates and, from the point ids, the same prompts). ``join`` checks that the parts agree
 on everything that defines the measurement (``checkpoint.SAME_RUN_KEYS`` but the systems, the
-revision and the GPU memory share, plus the given capacity), then takes each system's points
-from the last part that ran it (a part that re-ran a failed system replaces the earlier one).
+revision, the GPU memory share and the KVPUSH_* settings, plus the given capacity), then takes
+each system's points from the last part that ran it (a part that re-ran a failed system
+replaces the earlier one).
 Each part's revision, date, systems and command line are kept under ``meta["parts"]``; parts
 of other GPU memory shares (a one-engine peer on the bench's default, kvpush's engines
 splitting the GPU: allowed between kvpush's systems and vLLM's, never among one kind) keep
-theirs there too, and ``meta["gpu_memory_utilization"]`` is then the share by system. A part
+theirs there too, and ``meta["gpu_memory_utilization"]`` is then the share by system; so do
+the parts that ran kvpush with other ``KVPUSH_*`` settings (``meta["kvpush_env"]``: an A/B run
+by environment). A part
 cut short (killed at its time limit) joins with the checkpoint it saved after each system
 (``load_part``).
 
@@ -124,21 +127,21 @@ def join(parts: list[Document]) -> Document:
 
 
 def _environments(meta: dict[str, Any], parts: list[Document]) -> None:
-    """The joined run's ``kvpush_env``: that of the parts that ran a kvpush system when they
-    agree; else none for the whole run and each such part's own under ``parts``."""
+    """The joined run's ``kvpush_env``: that of the parts that ran a kvpush system when those
+    that recorded one agree (a part written before the key has none: not a difference); else
+    none for the whole run and each such part's own under ``parts`` (None: not recorded)."""
     ran_kvpush = [
         (entry, part)
         for entry, part in zip(meta["parts"], parts, strict=True)
         if any(name.startswith("kvpush") for name in entry["ran"])
     ]
-    found = {repr(part.meta.get(ENV)) for _, part in ran_kvpush}
+    recorded = [part.meta[ENV] for _, part in ran_kvpush if part.meta.get(ENV) is not None]
     meta.pop(ENV, None)
-    if len(found) == 1:
-        if (env := ran_kvpush[0][1].meta.get(ENV)) is not None:  # None: a run before the key
-            meta[ENV] = env
-    elif found:
+    if recorded and all(env == recorded[0] for env in recorded):
+        meta[ENV] = recorded[0]
+    elif recorded:
         for entry, part in ran_kvpush:
-            entry[ENV] = part.meta.get(ENV) or {}
+            entry[ENV] = part.meta.get(ENV)
 
 
 def _decode_share(parts: list[Document], owner: dict[str, int], systems: list[str]) -> Any:

@@ -98,7 +98,7 @@ def _meta_lines(document: Document) -> list[str]:
             if share is not None:
                 systems += f" (--gpu-memory-utilization {share:g})"
             if "kvpush_env" in part:  # kept where the parts' KVPUSH_* settings differ
-                systems += f" ({results_mod.environment_text(part['kvpush_env']) or 'no KVPUSH_*'})"
+                systems += f" ({results_mod.part_environment_text(part['kvpush_env'])})"
             lines.append(
                 f"{n}. {part.get('date', '?')} at {part.get('kvpush_rev', '?')}, ran {systems}: "
                 f"`kvpush {' '.join(part.get('argv') or [])}`"

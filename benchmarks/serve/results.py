@@ -100,27 +100,46 @@ class Point(msgspec.Struct, kw_only=True):
             self.point = self.label
 
 
-# KVPUSH_* variables not recorded: the revision stamp (meta's kvpush_rev) and what may hold a
-# secret (KVPUSH_NATS_TOKEN, KVPUSH_API_KEYS, KVPUSH_NATS_TLS_KEY, a URL's user and password)
+# KVPUSH_* variables not recorded: the revision stamp (meta's kvpush_rev), the routing the
+# bench sets per system, paths (where, not how), and what may hold a secret (KVPUSH_NATS_TOKEN,
+# KVPUSH_API_KEYS, KVPUSH_NATS_TLS_KEY, a URL's user and password); KVPUSH_FIRST_TOKEN is none
 _NOT_SETTINGS = re.compile(
-    r"^KVPUSH_REVISION$|_(TOKEN|PASSWORD|SECRET|CREDS|NKEY|KEY|KEYS|USER|URL)(_|$)"
+    r"^KVPUSH_(REVISION|ROUTING)$|_(CACHE|DIR|FILE)$"
+    r"|_(TOKEN|PASSWORD|SECRET|CREDS|NKEY|KEY|KEYS|USER|URL)(_|$)"
+)
+_SETTINGS = frozenset({"KVPUSH_FIRST_TOKEN"})
+# the value of a flag in a flag list (KVPUSH_ENGINE_ARG, KVPUSH_VLLM_ARGS) that may be a secret:
+# `--hf-token=...`, `--api-key ...`
+_SECRET_FLAG = re.compile(
+    r"(--(?:\w+-)*(?:token|keys?|keyfile|password|secret|creds?)(?:-\w+)*)([= ,]+)[^\s,]+",
+    re.I,
 )
 
 
 def kvpush_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The ``KVPUSH_*`` variables of ``environ`` (sorted, empty ones left out): ``kvpush up``
     and its workers and gateway read their settings from them, so a run's kvpush systems ran
-    with these (``KVPUSH_SERIAL_PREFILL_TOKENS=512``, ``KVPUSH_ENGINE_ARG=--block-size=16``)."""
+    with these (``KVPUSH_SERIAL_PREFILL_TOKENS=512``, ``KVPUSH_ENGINE_ARG=--block-size=16``).
+    A secret flag's value in a flag list is recorded as ``***``."""
     return {
-        name: value
+        name: _SECRET_FLAG.sub(r"\1\2***", value)
         for name, value in sorted(environ.items())
-        if name.startswith("KVPUSH_") and value and not _NOT_SETTINGS.search(name)
+        if name.startswith("KVPUSH_")
+        and value
+        and (name in _SETTINGS or not _NOT_SETTINGS.search(name))
     }
 
 
 def environment_text(env: Mapping[str, str] | None) -> str:
     """``kvpush_env`` as a report says it ("" for none)."""
     return ", ".join(f"`{name}={value}`" for name, value in (env or {}).items())
+
+
+def part_environment_text(env: Mapping[str, str] | None) -> str:
+    """A joined part's ``kvpush_env``: none given, or not recorded (a run before the key)."""
+    if env is None:
+        return "not recorded"
+    return environment_text(env) or "no KVPUSH_* setting"
 
 
 GIVEN = "given (--capacity)"  # Capacity.probed_on of a capacity given, not probed

@@ -119,7 +119,7 @@ def _environment_lines(meta: dict[str, Any]) -> list[str]:
         return [f"kvpush's settings from the environment: {env}."]
     return [
         f"kvpush's settings from the environment in part {n} ({', '.join(part['ran'])}): "
-        f"{results_mod.environment_text(part['kvpush_env']) or 'none'}."
+        f"{results_mod.part_environment_text(part['kvpush_env'])}."
         for n, part in enumerate(meta.get("parts") or [], 1)
         if "kvpush_env" in part
     ]

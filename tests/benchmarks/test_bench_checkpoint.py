@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, ClassVar
@@ -287,15 +288,23 @@ def test_the_kvpush_settings_of_the_environment_are_recorded_and_shown(
     KVPUSH_SERIAL_PREFILL_TOKENS=512 says so in its own JSON), never a secret; a resume with
     others is refused; a join keeps each part's where the parts that ran kvpush differ; the
     routing report shows them."""
-    from kvpush.benchmarks.serve import join, routing_report
+    from kvpush.benchmarks.serve import join, report, routing_report
 
-    for name in ("KVPUSH_NATS_TOKEN", "KVPUSH_API_KEYS", "KVPUSH_NATS_URL", "KVPUSH_REVISION"):
-        monkeypatch.setenv(name, "secret-or-stamp")
+    for name in [n for n in os.environ if n.startswith("KVPUSH_")]:  # the runner's own
+        monkeypatch.delenv(name)
+    for name in ("NATS_TOKEN", "API_KEYS", "NATS_URL", "NATS_TLS_KEY", "REVISION", "CACHE"):
+        monkeypatch.setenv(f"KVPUSH_{name}", "secret-stamp-or-path")
     monkeypatch.setenv("KVPUSH_SERIAL_PREFILL_TOKENS", "512")
+    monkeypatch.setenv("KVPUSH_FIRST_TOKEN", "prefill")
+    monkeypatch.setenv("KVPUSH_VLLM_ARGS", "--api-key sk-1,--hf-token=hf_1,--tokenizer /t")
     given = ("--qps", "auto", "--capacity", "2048=19", "--fractions", "0.5")
     args = _args(tmp_path, "--systems", "kvpush-routed", *given)
     rule_on = _meta(args)
-    assert rule_on["kvpush_env"] == {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}
+    assert rule_on["kvpush_env"] == {
+        "KVPUSH_FIRST_TOKEN": "prefill",
+        "KVPUSH_SERIAL_PREFILL_TOKENS": "512",
+        "KVPUSH_VLLM_ARGS": "--api-key ***,--hf-token=***,--tokenizer /t",
+    }
     out = Path(args.out_dir)
     checkpoint.save(out, checkpoint.Checkpoint(meta=rule_on))
     monkeypatch.delenv("KVPUSH_SERIAL_PREFILL_TOKENS")
@@ -313,8 +322,11 @@ def test_the_kvpush_settings_of_the_environment_are_recorded_and_shown(
     joined = join.join([peer, part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"})])
     assert joined.meta["kvpush_env"] == {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}
     assert "environment: `KVPUSH_SERIAL_PREFILL_TOKENS=512`." in routing_report.body(joined)
-    off = part("kvpush-push", {})
-    ab = join.join([peer, part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}), off])
+    ab_parts = [
+        part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}),
+        part("kvpush-push", {}),
+    ]
+    ab = join.join([peer, *ab_parts])
     assert "kvpush_env" not in ab.meta
     assert [p.get("kvpush_env") for p in ab.meta["parts"]] == [
         None,
@@ -323,4 +335,12 @@ def test_the_kvpush_settings_of_the_environment_are_recorded_and_shown(
     ]
     text = routing_report.body(ab)
     assert "in part 2 (kvpush-routed): `KVPUSH_SERIAL_PREFILL_TOKENS=512`." in text
-    assert "in part 3 (kvpush-push): none." in text
+    assert "in part 3 (kvpush-push): no KVPUSH_* setting." in text
+    assert "`KVPUSH_SERIAL_PREFILL_TOKENS=512`" in report.render(ab)  # bench report's part lines
+    old = part("kvpush-push", {})  # written before the key: not recorded, not a difference
+    del old.meta["kvpush_env"]
+    with_old = join.join([old, part("kvpush-routed", {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"})])
+    assert with_old.meta["kvpush_env"] == {"KVPUSH_SERIAL_PREFILL_TOKENS": "512"}
+    mixed = join.join([old, *ab_parts])
+    assert mixed.meta["parts"][0]["kvpush_env"] is None
+    assert "in part 1 (kvpush-push): not recorded." in routing_report.body(mixed)
