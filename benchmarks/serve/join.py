@@ -13,9 +13,8 @@ of other GPU memory shares (a one-engine peer on the bench's default, kvpush's e
 splitting the GPU: allowed between kvpush's systems and vLLM's, never among one kind) keep
 theirs there too, and ``meta["gpu_memory_utilization"]`` is then the share by system; so do
 the parts that ran kvpush with other ``KVPUSH_*`` settings (``meta["kvpush_env"]``: an A/B run
-by environment). A part
-cut short (killed at its time limit) joins with the checkpoint it saved after each system
-(``load_part``).
+by environment). A part cut short (killed at its time limit) joins with the checkpoint it saved
+after each system (``load_part``).
 
 Threading model: pure functions.
 """
@@ -35,8 +34,8 @@ PART_KEYS = ("date", "kvpush_rev", "systems", "argv")
 # what parts may differ in; a system's GPU memory share too (a one-engine peer keeps the
 # bench's default while kvpush's engines split the GPU: each part states its own)
 DECODE_SHARE = "decode_gpu_memory_utilization"  # kvpush's D engines' own share, if given
-FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization", DECODE_SHARE, "kvpush_env")
 ENV = "kvpush_env"  # the KVPUSH_* settings kvpush's systems inherited (an A/B's parts differ)
+FREE_KEYS = ("kvpush_rev", "systems", "gpu_memory_utilization", DECODE_SHARE, ENV)
 
 
 class JoinError(ValueError):
