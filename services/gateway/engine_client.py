@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from kvpush.services.gateway.bus_generation import GenerationHost
     from kvpush.services.gateway.vllm_serving import VllmServing
 
+_tracer = trace.get_tracer("kvpush.gateway")
 _SPEC_FIELDS = tuple(f for f in SamplingSpec.__struct_fields__ if f != "structured_outputs")
 
 
@@ -152,6 +153,18 @@ class Outputs:
         whole.stop_reason = delta.stop_reason if delta.finish_reason else whole.stop_reason
 
 
+def _render_span(context: RequestContext, prompt_tokens: int) -> None:
+    """``gateway.render``: vLLM's serving layer's part of the request (parse, chat template,
+    tokenization, sampling parameters), from its arrival to this engine request."""
+    if not context.span.is_recording():
+        return
+    parent = trace.set_span_in_context(context.span)
+    attributes = {"gen_ai.usage.input_tokens": prompt_tokens}
+    _tracer.start_span(
+        "gateway.render", parent, start_time=context.arrived_ns, attributes=attributes
+    ).end()
+
+
 class BusEngineClient(EngineClient):
     """The engine client of vLLM's serving layer in the gateway; see the module docstring."""
 
@@ -167,6 +180,7 @@ class BusEngineClient(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         context = CURRENT.get() or RequestContext(span=trace.INVALID_SPAN)
         ids = list(prompt["prompt_token_ids"])
+        _render_span(context, len(ids))
         # what vLLM's own engine client refuses (e.g. logprobs above max_logprobs) is a 400 here
         self.input_processor.process_inputs(
             request_id, prompt, sampling_params.clone(), supported_tasks=("generate",)

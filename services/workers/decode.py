@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import Any
 
 from kvpush.connector import emit_span, monotonic_to_ns, timing_of, tracing_on
@@ -85,6 +86,15 @@ def _trace(entry: InFlight, handle: RequestHandle, learned: Timing | None) -> Ti
         start = marks.kv_landed if marks.kv_landed >= submitted_ns else submitted_ns
         emit_span("decode.first_token", None, start, first_ns, attrs)
     return marks
+
+
+def _first_chunk_span(entry: InFlight, handle: RequestHandle, sending_ns: int) -> None:
+    """``decode.first_chunk``: D's engine output of the first token -> its TokenChunk going to
+    the bus at ``sending_ns`` (the worker's loop taking the output up)."""
+    if tracing_on() and handle.first_output_at:
+        attrs = {"kvpush.transfer_id": entry.event.transfer_id}
+        first_ns = monotonic_to_ns(handle.first_output_at)
+        emit_span("decode.first_chunk", None, first_ns, sending_ns, attrs)
 
 
 def wants_outputs(event: RequestEvent) -> bool:
@@ -169,7 +179,10 @@ class DecodeWorker(Worker):
                 fields["prompt_logprobs"] = out.prompt_logprobs
             if not out.finished:
                 if any(fields.values()):
+                    sending_ns = time.time_ns()
                     await self._send(event, seq, fields)
+                    if seq == 0:
+                        _first_chunk_span(entry, handle, sending_ns)
                     seq += 1
                 continue
             if out.finish_reason == "abort" and entry.aborted == STALLED:
@@ -179,7 +192,10 @@ class DecodeWorker(Worker):
             late = self.host.link.take_timing(tid)  # came up in the request's last step
             marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
             fields["num_cached_tokens"] = out.num_cached_tokens
+            sending_ns = time.time_ns()
             await self._send(event, seq, fields, reason, count, error, marks)
+            if seq == 0:
+                _first_chunk_span(entry, handle, sending_ns)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at
             log.info(

@@ -84,6 +84,7 @@ def trace_of(path: Path, request_id: str) -> list[SpanRecord]:
 
 EXPECTED = {  # (service, span) -> how many in one push request's trace
     ("kvpush-gateway", "gateway.request"): 1,
+    ("kvpush-gateway", "gateway.render"): 1,
     ("kvpush-gateway", "gateway.route"): 1,
     ("kvpush-gateway", "bus.publish"): 1,
     ("kvpush-gateway", "gateway.first_byte"): 1,
@@ -100,6 +101,7 @@ EXPECTED = {  # (service, span) -> how many in one push request's trace
     ("kvpush-decode", "bus.publish"): 1,  # BlocksAnnounced
     ("kvpush-decode", "decode.wait_kv"): 1,
     ("kvpush-decode", "decode.first_token"): 1,
+    ("kvpush-decode", "decode.first_chunk"): 1,
 }
 
 
@@ -157,8 +159,11 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
         if record is not root:
             parent(record)  # every parent link stays inside the trace
     publish = one("kvpush-gateway", "bus.publish", "kvpush.v1.req.")
-    for name in ("gateway.route", "bus.publish", "gateway.first_byte"):
+    for name in ("gateway.render", "gateway.route", "bus.publish", "gateway.first_byte"):
         assert parent(one("kvpush-gateway", name)) is root
+    render, route = one("kvpush-gateway", "gateway.render"), one("kvpush-gateway", "gateway.route")
+    assert root.start_ns <= render.start_ns <= render.end_ns <= route.start_ns
+    assert render.attributes["gen_ai.usage.input_tokens"] == PROMPT_TOKENS
     p_receive = one("kvpush-prefill", "bus.receive", "kvpush.v1.req.")
     d_receive = one("kvpush-decode", "bus.receive", "kvpush.v1.req.")
     assert parent(p_receive) is publish and parent(d_receive) is publish
@@ -167,6 +172,7 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
     for name in ("decode.receive", "decode.allocate", "blocks.announce", "decode.wait_kv"):
         assert parent(one("kvpush-decode", name)) is d_receive, name
     assert parent(one("kvpush-decode", "decode.first_token")) is d_receive
+    assert parent(one("kvpush-decode", "decode.first_chunk")) is d_receive
     announce = one("kvpush-decode", "bus.publish", "kvpush.v1.blocks.")
     assert parent(announce) is d_receive
     assert parent(one("kvpush-prefill", "bus.receive", "kvpush.v1.blocks.")) is announce
@@ -203,6 +209,10 @@ async def test_one_request_is_one_trace_across_gateway_prefill_and_decode(
     # write returns, and the client may already have read the bytes by then.
     d_first_token = one("kvpush-decode", "decode.first_token")
     assert sent_ns <= root.start_ns < d_first_token.end_ns <= first_byte.end_ns
+    # D hands its first chunk to the bus after it received the request, before the gateway
+    # takes the chunk (instants of one clock, each before the next by causality)
+    first_chunk = one("kvpush-decode", "decode.first_chunk")
+    assert d_receive.start_ns <= first_chunk.end_ns <= first_byte.end_ns
     assert d_first_token.end_ns <= first_event_ns
 
 
