@@ -91,6 +91,7 @@ class RequestContext:
     arrived_ns: int = dataclasses.field(default_factory=time.time_ns)
     error: ApiError | None = None  # the first error an engine request raised
     sent_first: bool = False  # some answer's first chunk came
+    rendered: bool = False  # its gateway.render span was made (once, by the first engine request)
     # the answer's id (``cmpl-<id>``, ``chatcmpl-<id>``): its first engine request goes on the
     # bus (and in traces and the dashboard) under it, later prompts of a batch as vLLM names them
     response_id: str = ""

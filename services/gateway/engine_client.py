@@ -7,7 +7,8 @@ validated by vLLM's own ``InputProcessor`` first, so what vLLM's engine client r
 400 here too), one RequestEvent, and the decode worker's TokenChunks turned back into vLLM
 ``RequestOutput``s (``Outputs``): deltas for a stream, one whole output otherwise, as vLLM's
 ``AsyncLLM`` yields. Everything else the protocol asks of an engine client is a no-op or "not
-supported": kvpush's engines live in the workers.
+supported": kvpush's engines live in the workers. The span ``gateway.render`` (the request's
+context to its first engine request: vLLM's template and tokenization) is made here.
 
 This module imports vLLM; the gateway imports it once it has built vLLM's serving layer.
 
@@ -154,10 +155,12 @@ class Outputs:
 
 
 def _render_span(context: RequestContext, prompt_tokens: int) -> None:
-    """``gateway.render``: vLLM's serving layer's part of the request (parse, chat template,
-    tokenization, sampling parameters), from its arrival to this engine request."""
-    if not context.span.is_recording():
+    """``gateway.render``, once per request (its first engine request: a batch of prompts, and
+    beam search, call ``generate`` more often): vLLM's serving layer's part (chat template,
+    tokenization, sampling parameters), from the request's context to this engine request."""
+    if context.rendered or not context.span.is_recording():
         return
+    context.rendered = True
     parent = trace.set_span_in_context(context.span)
     attributes = {"gen_ai.usage.input_tokens": prompt_tokens}
     _tracer.start_span(

@@ -89,11 +89,12 @@ def _trace(entry: InFlight, handle: RequestHandle, learned: Timing | None) -> Ti
 
 
 def _first_chunk_span(entry: InFlight, handle: RequestHandle, sending_ns: int) -> None:
-    """``decode.first_chunk``: D's engine output of the first token -> its TokenChunk going to
-    the bus at ``sending_ns`` (the worker's loop taking the output up)."""
+    """``decode.first_chunk``: D's engine output of the first token -> the worker about to
+    publish its TokenChunk (``sending_ns``: the worker's loop taking the output up). It ends at
+    ``sending_ns`` itself, a ``time.time_ns()`` instant, so it orders causally with others."""
     if tracing_on() and handle.first_output_at:
         attrs = {"kvpush.transfer_id": entry.event.transfer_id}
-        first_ns = monotonic_to_ns(handle.first_output_at)
+        first_ns = min(monotonic_to_ns(handle.first_output_at), sending_ns)
         emit_span("decode.first_chunk", None, first_ns, sending_ns, attrs)
 
 
@@ -179,7 +180,7 @@ class DecodeWorker(Worker):
                 fields["prompt_logprobs"] = out.prompt_logprobs
             if not out.finished:
                 if any(fields.values()):
-                    sending_ns = time.time_ns()
+                    sending_ns = time.time_ns() if seq == 0 else 0
                     await self._send(event, seq, fields)
                     if seq == 0:
                         _first_chunk_span(entry, handle, sending_ns)
@@ -192,9 +193,9 @@ class DecodeWorker(Worker):
             late = self.host.link.take_timing(tid)  # came up in the request's last step
             marks = _trace(entry, handle, merge(timing_of(out.kv_transfer_params), late))
             fields["num_cached_tokens"] = out.num_cached_tokens
-            sending_ns = time.time_ns()
+            sending_ns = time.time_ns() if seq == 0 else 0
             await self._send(event, seq, fields, reason, count, error, marks)
-            if seq == 0:
+            if seq == 0 and count:  # an answer's only chunk (an end without tokens: none)
                 _first_chunk_span(entry, handle, sending_ns)
             took = (handle.finished_at or 0.0) - handle.submitted_at
             first = (handle.first_output_at or 0.0) - handle.submitted_at
