@@ -13,7 +13,12 @@ Naming: a flag ``--some-thing`` reads ``KVPUSH_SOME_THING`` unless the row names
 variable (the gateway's and the workers' ``--max-inflight`` differ in meaning, so they read
 ``KVPUSH_GATEWAY_MAX_INFLIGHT`` and ``KVPUSH_WORKER_MAX_INFLIGHT``); durations end in ``-s``.
 
-Threading model: none (values and pure functions).
+``apply_gil_switch`` sets the process's GIL switch interval from ``KVPUSH_GIL_SWITCH_US``
+(``kvpush.connector.switching``: one variable for a service and the engine-core processes it
+starts, which read it themselves), at a service's start.
+
+Threading model: none (values and pure functions; ``apply_gil_switch`` sets a process-wide value
+once, at a start).
 """
 
 from __future__ import annotations
@@ -23,9 +28,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.connector import apply_switch_interval
+
 
 class ConfigError(ValueError):
     """A flag, environment variable or file a service was given is unusable; says which and why."""
+
+
+def apply_gil_switch(env: Mapping[str, str] | None = None) -> int:
+    """Set this process's GIL switch interval (microseconds, returned) from
+    ``KVPUSH_GIL_SWITCH_US``; ConfigError if the variable is unusable."""
+    try:
+        return apply_switch_interval(env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from kvpush.services.gateway.streaming import TokenStreams
 from kvpush.services.gateway.vllm_serving import build_serving
 from kvpush.services.gateway.worker_registry import WorkerRegistry
 from kvpush.services.membership import Member
+from kvpush.services.settings import apply_gil_switch
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ def main(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        apply_gil_switch()
         return asyncio.run(serve(args))
     except ConfigError as exc:
         print(f"kvpush gateway: {exc}", file=sys.stderr)

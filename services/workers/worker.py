@@ -63,7 +63,7 @@ from kvpush.schemas.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
-from kvpush.services.settings import ConfigError
+from kvpush.services.settings import ConfigError, apply_gil_switch
 from kvpush.services.workers.cache_publisher import CachePublisher
 from kvpush.services.workers.config import WorkerConfig, config_from_args
 from kvpush.services.workers.core_engine import engine_host
@@ -396,6 +396,7 @@ def run_worker(worker_cls: type[Worker], args: argparse.Namespace) -> int:
     one line on an unusable setting)."""
     try:
         config = config_from_args(worker_cls.role, args)
+        apply_gil_switch()
     except ConfigError as exc:
         print(f"kvpush {worker_cls.role.value}: {exc}", file=sys.stderr)
         return 2

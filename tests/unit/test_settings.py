@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import threading
 
 import pytest
 
+from kvpush.connector import switching
 from kvpush.schemas.messages import WorkerRole
 from kvpush.services import settings
 from kvpush.services.gateway import config as gateway_config
@@ -489,3 +491,34 @@ def test_decode_batches_long_local_prefills_unless_told_to_take_them_one_a_step(
             argv = child.argv
             at = [i + 1 for i, flag in enumerate(argv) if flag == "--serial-prefill-tokens"]
             assert [argv[i] for i in at] == passed, argv
+
+
+def test_every_service_sets_its_gil_switch_interval_from_one_variable() -> None:
+    before = sys.getswitchinterval()
+    try:
+        assert settings.apply_gil_switch({}) == switching.DEFAULT_SWITCH_US
+        assert sys.getswitchinterval() == pytest.approx(switching.DEFAULT_SWITCH_US / 1e6)
+        assert settings.apply_gil_switch({"KVPUSH_GIL_SWITCH_US": " 5000 "}) == 5000
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        for bad, why in (("fast", "whole number"), ("0", "outside"), ("200000", "outside")):
+            with pytest.raises(ConfigError, match=f"KVPUSH_GIL_SWITCH_US.*{why}"):
+                settings.apply_gil_switch({"KVPUSH_GIL_SWITCH_US": bad})
+            assert sys.getswitchinterval() == pytest.approx(0.005)  # unchanged by a refusal
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_a_worker_refuses_an_unusable_gil_switch_interval_in_one_line(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    from kvpush.services.cli import build_parser
+    from kvpush.services.workers.decode import DecodeWorker
+    from kvpush.services.workers.worker import run_worker
+
+    monkeypatch.setenv("KVPUSH_GIL_SWITCH_US", "soon")
+    args = build_parser().parse_args(["decode", "--model", str(tmp_path)])
+    before = sys.getswitchinterval()
+    assert run_worker(DecodeWorker, args) == 2
+    assert sys.getswitchinterval() == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvpush decode: KVPUSH_GIL_SWITCH_US='soon': not a whole number of microseconds"]
