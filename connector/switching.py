@@ -9,8 +9,9 @@ or, if the holder keeps computing, after CPython's switch interval: 5 ms by defa
 order as the parts of TTFT kvpush spends around the engine step. ``apply_switch_interval`` sets
 it to ``KVPUSH_GIL_SWITCH_US`` microseconds (``DEFAULT_SWITCH_US`` when unset or empty; CPython's
 own 5 ms is ``5000``). Each process sets it at its start: the gateway and the workers from their
-entry points, an engine-core process from kvpush's scheduler, which vLLM builds there (the
-variable is inherited with the environment).
+entry points, the processes vLLM starts for an engine (its engine core, each TP rank) from
+``KVPushConnector``'s constructor, which vLLM runs in each of them (the variable is inherited
+with the environment).
 
 Threading model: none (``sys.setswitchinterval`` is process-wide; called once at a start).
 """

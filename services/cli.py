@@ -26,7 +26,7 @@ Quick start:
   kvpush model llama-8b --out DIR   an 8B-shaped config for GPUs (serve: --load-format dummy)
   kvpush schemas export --check     verify the committed bus contract files are current
 Environment: KVPUSH_GIL_SWITCH_US=N sets the GIL switch interval (microseconds; default 500,
-CPython's own 5000) of the gateway, the workers and their engine-core processes.
+CPython's own 5000) of the gateway, the workers and their engines' processes.
 See README.md and docs/ for the architecture and operating notes."""
 
 

@@ -14,7 +14,7 @@ variable (the gateway's and the workers' ``--max-inflight`` differ in meaning, s
 ``KVPUSH_GATEWAY_MAX_INFLIGHT`` and ``KVPUSH_WORKER_MAX_INFLIGHT``); durations end in ``-s``.
 
 ``apply_gil_switch`` sets the process's GIL switch interval from ``KVPUSH_GIL_SWITCH_US``
-(``kvpush.connector.switching``: one variable for a service and the engine-core processes it
+(``kvpush.connector.switching``: one variable for a service and the engine processes it
 starts, which read it themselves), at a service's start.
 
 Threading model: none (values and pure functions; ``apply_gil_switch`` sets a process-wide value

@@ -45,7 +45,7 @@ from kvpush.schemas.messages import WorkerHeartbeat
 from kvpush.services import up_config
 from kvpush.services.mps import MpsDaemon
 from kvpush.services.natsd import EmbeddedNats
-from kvpush.services.settings import ConfigError
+from kvpush.services.settings import ConfigError, apply_gil_switch
 from kvpush.services.up_child import Child, gpus_started_together
 from kvpush.services.up_config import UpConfig
 from kvpush.services.up_sockets import (
@@ -390,6 +390,7 @@ def main(args: argparse.Namespace) -> int:
     """``kvpush up`` (exit 2 and one line on an unusable setting)."""
     try:
         config = UpConfig.from_args(args)
+        apply_gil_switch()  # its children read the same variable: refused here, once
     except ConfigError as exc:
         say(f"configuration: {exc}")
         return 2

@@ -16,6 +16,10 @@ a plain engine. vLLM builds one instance per role: the scheduler role (one per e
 engine core's process) delegates to ``SchedulerHalf`` (bookkeeping, the driver's contact point),
 the worker role (one per TP rank, wherever vLLM runs that rank) to ``WorkerHalf`` (NIXL + bus).
 
+Each instance first sets its process's GIL switch interval (``kvpush.connector.switching``,
+from ``KVPUSH_GIL_SWITCH_US``, which the worker's environment passes down): vLLM builds one in
+the engine-core process and in every TP rank's, processes that kvpush starts no code in.
+
 Threading model: vLLM calls each instance from its engine thread (scheduler or worker); the
 worker half owns a poller thread and a bus thread (see ``runtime``), the scheduler half a
 wake-up listener thread (see ``wake``).
@@ -23,6 +27,7 @@ wake-up listener thread (see ``wake``).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.connector.params import ConnectorSettings
+from kvpush.connector.switching import apply_switch_interval
 from kvpush.connector.tracing import configure_tracing_from_env
 from kvpush.connector.vllm import compat
 from kvpush.connector.vllm.metadata import KVPushHandshake, KVPushMetadata, KVPushWorkerMeta
@@ -49,6 +55,10 @@ class KVPushConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         compat.check_version()
+        try:  # this engine process's switch interval (the worker's own is set at its start)
+            apply_switch_interval()
+        except ValueError as exc:  # only an engine no kvpush worker started gets here
+            logging.getLogger(__name__).warning("%s: CPython's interval stays", exc)
         self._load_errors: set[int] = set()  # vLLM 0.26: blocks of failed receives, this step
         transfer_config = vllm_config.kv_transfer_config
         settings = self.settings_from(transfer_config.kv_connector_extra_config)

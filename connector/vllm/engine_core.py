@@ -29,8 +29,8 @@ through ``kvpush.connector.EngineLink`` happen here, through vLLM's own extensio
 While a step schedules nothing and only transfers are in flight (D waiting for pushed KV, P
 for its pushes to end), vLLM's engine-core loop would step again at once, holding the GIL
 that the connector's bus thread needs to take in the KV notice and P's token (each hand-off of
-the GIL waits out Python's switch interval, 5 ms). The schedulers instead wait for the worker
-half's activity signal (``WakeListener``), ``IDLE_WAIT_S`` at most.
+the GIL can wait out the switch interval: ``kvpush.connector.switching``). The schedulers
+instead wait for the worker half's activity signal (``WakeListener``), ``IDLE_WAIT_S`` at most.
 
 The hand-off costs nothing on the critical path: P's token goes out with the step's own outputs
 over vLLM's output socket, one step after the receive's end (as the in-process driver did).
@@ -41,7 +41,6 @@ extension's methods run on each rank's worker thread between steps (vLLM's ``col
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import msgspec
@@ -49,10 +48,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvpush.connector.params import TIMING_KEY, PrefillToken, read_params
-from kvpush.connector.switching import apply_switch_interval
 from kvpush.connector.vllm.token_sender import FirstTokenSender
 
-log = logging.getLogger(__name__)
 FINISHED = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED"}
 # The longest idle wait between two steps that schedule nothing (transfers in flight only): a
 # request that arrives meanwhile waits at most this long; the connector's signal ends it early.
@@ -64,10 +61,6 @@ def kvpush_scheduler(*args: Any, **kwargs: Any) -> Any:
     arguments): ``KVPushAsyncScheduler`` when vLLM settled on async scheduling (its default
     where supported; only a class named by no one would be picked by vLLM itself), else
     ``KVPushScheduler``."""
-    try:  # this is the engine-core process's start: its GIL switch interval, as its worker's
-        apply_switch_interval()
-    except ValueError as exc:  # the worker refused it at its own start; keep CPython's
-        log.warning("%s", exc)
     vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
     overlapped = bool(vllm_config.scheduler_config.async_scheduling)
     return (KVPushAsyncScheduler if overlapped else KVPushScheduler)(*args, **kwargs)

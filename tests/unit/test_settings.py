@@ -4,6 +4,7 @@ gateway, workers, ``kvpush up``."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 import sys
 import threading
@@ -508,17 +509,59 @@ def test_every_service_sets_its_gil_switch_interval_from_one_variable() -> None:
         sys.setswitchinterval(before)
 
 
-def test_a_worker_refuses_an_unusable_gil_switch_interval_in_one_line(
-    tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["decode", "--model", "MODEL"], "kvpush decode: "),
+        (["prefill", "--model", "MODEL"], "kvpush prefill: "),
+        (["gateway"], "kvpush gateway: "),
+        (["up"], "[kvpush up] configuration: "),
+    ],
+)
+def test_a_service_refuses_an_unusable_gil_switch_interval_in_one_line(
+    argv, line, tmp_path, monkeypatch, capsys
 ) -> None:
-    from kvpush.services.cli import build_parser
-    from kvpush.services.workers.decode import DecodeWorker
-    from kvpush.services.workers.worker import run_worker
+    from kvpush.services import cli
 
+    def started(*_: object, **__: object) -> None:
+        raise AssertionError("the service started")
+
+    monkeypatch.setattr(asyncio, "run", started)  # a refusal comes before the service runs
     monkeypatch.setenv("KVPUSH_GIL_SWITCH_US", "soon")
-    args = build_parser().parse_args(["decode", "--model", str(tmp_path)])
     before = sys.getswitchinterval()
-    assert run_worker(DecodeWorker, args) == 2
+    argv = [str(tmp_path) if arg == "MODEL" else arg for arg in argv]
+    assert cli.main(argv) == 2
     assert sys.getswitchinterval() == before
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["kvpush decode: KVPUSH_GIL_SWITCH_US='soon': not a whole number of microseconds"]
+    captured = capsys.readouterr()
+    lines = (captured.err + captured.out).strip().splitlines()
+    why = "KVPUSH_GIL_SWITCH_US='soon': not a whole number of microseconds"
+    assert lines == [line + why]
+
+
+def test_the_engines_processes_set_the_interval_where_vllm_builds_the_connector() -> None:
+    """vLLM builds ``KVPushConnector`` in its engine-core process and in every TP rank's (no
+    kvpush entry point runs there): its constructor sets the interval (read, not run: the unit
+    tier imports no vLLM)."""
+    import ast
+    from pathlib import Path
+
+    import kvpush.connector
+
+    source = Path(kvpush.connector.__file__).parent / "vllm" / "connector.py"
+    tree = ast.parse(source.read_text())
+    connector = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "KVPushConnector"
+    )
+    init = next(
+        node
+        for node in connector.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    called = {
+        node.func.id
+        for node in ast.walk(init)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+    assert "apply_switch_interval" in called
