@@ -239,6 +239,7 @@ def test_routing_results_md_is_what_the_committed_run_generates() -> None:
         "h100-gil-5000-1",
         "h100-gil-2",
         "h100-gil-5000-2",
+        "cpu-c1-4c7b6b7",
         "load-h100",
         "load-h100-share",
         "load-h100-turns",
