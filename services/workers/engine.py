@@ -47,12 +47,6 @@ from kvpush.services.workers.fanout import Answers, AnswersHost
 log = logging.getLogger(__name__)
 
 
-def _warm_forward(worker: Any) -> None:
-    """On each rank (vLLM's ``collective_rpc``): a forward of the most tokens a step takes."""
-    runner = worker.model_runner
-    runner._dummy_run(runner.max_num_tokens, is_profile=True)
-
-
 class EngineHost(AnswersHost):
     """A vLLM engine on its own thread; the module docstring describes the loop."""
 
@@ -110,12 +104,6 @@ class EngineHost(AnswersHost):
         self._scheduler = core.scheduler
         self._pool = core.scheduler.kv_cache_manager.block_pool
         self._num_blocks = self._pool.num_gpu_blocks
-        if kwargs.get("enforce_eager"):
-            # Eager, vLLM warms nothing up: on the CPU each engine's first long prompt took
-            # ~200 ms more than the next ones (allocations, oneDNN). One forward of a full
-            # batch of dummy tokens (vLLM's own profile run; no request, no cache, no event).
-            report("warming up: one forward of a full batch")
-            engine.collective_rpc(_warm_forward)
         if cfg.tp > 1:
             # vLLM's TP embedding masks its input with a torch.compile'd helper: the first step
             # compiles it (a minute on a busy 2-core box). Do that now, not on a user's request.
