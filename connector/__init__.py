@@ -17,7 +17,7 @@ from kvpush.connector.link import EngineLink
 from kvpush.connector.params import PrefillToken, TransferParams, samples_on_prefill, timing_of
 from kvpush.connector.peering import CompatInfo
 from kvpush.connector.poller import Poller, worker_intervals
-from kvpush.connector.switching import SWITCH_ENV, apply_switch_interval
+from kvpush.connector.switching import apply_switch_interval
 from kvpush.connector.tracing import configure_tracing, emit_span, monotonic_to_ns, tracing_on
 from kvpush.connector.transport import KvTransport, TransportConfig
 from kvpush.connector.vllm.gate import LayerGate
@@ -36,7 +36,6 @@ __all__ = [
     "DEFAULT_NATS_URL",
     "FAULTS_CONNECTOR_CLASS",
     "FAULTS_CONNECTOR_MODULE",
-    "SWITCH_ENV",
     "VLLM_CONNECTOR_CLASS",
     "VLLM_CONNECTOR_MODULE",
     "VLLM_SCHEDULER",
